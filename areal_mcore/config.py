@@ -1,0 +1,330 @@
+"""Typed configs: one ``@dataclass(kw_only=True)`` per component, YAML + ``a.b.c=value``.
+
+``load_config(path, overrides)`` merges a YAML file and command-line overrides into the
+dataclasses through OmegaConf structured configs. Unknown keys, wrong types and missing
+required values raise :class:`ConfigError` naming the key, where it came from
+(``file:line`` or the override) and the fix (nearest valid key, expected type).
+Each dataclass validates its own values in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigKeyError,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from areal_mcore.algo.normalize import LEVELS as NORM_LEVELS
+
+
+class ConfigError(ValueError):
+    """A config the user must fix; the message says where and how."""
+
+
+# Validation messages start with the bare key; load_config prefixes the dotted path.
+def _check_choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def _check_positive(key: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _check_unit_interval(key: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{key}={value!r} must be in [0, 1]")
+
+
+# --------------------------------------------------------------------------- components
+
+
+@dataclass(kw_only=True)
+class MicroBatchSpec:
+    """How a batch is split into micro-batches (see ``packing.allocate_micro_batches``)."""
+
+    max_tokens_per_mb: int
+    min_mbs: int = 1
+    # Micro-batch count must be a multiple of this (e.g. PP size for interleaved schedules).
+    divisor: int = 1
+
+    def __post_init__(self):
+        for key in ("max_tokens_per_mb", "min_mbs", "divisor"):
+            _check_positive(key, getattr(self, key))
+
+
+
+
+@dataclass(kw_only=True)
+class NormConfig:
+    """Mean/std normalisation of rewards or advantages (``algo.normalize``)."""
+
+    mean_level: str = "batch"
+    std_level: str = "batch"
+    # Samples per prompt; 'group' levels normalise over contiguous runs of this size.
+    group_size: int = 1
+    unbiased_std: bool = False
+    eps: float = 1e-5
+
+    def __post_init__(self):
+        _check_choice("mean_level", self.mean_level, NORM_LEVELS)
+        _check_choice("std_level", self.std_level, NORM_LEVELS)
+        _check_positive("group_size", self.group_size)
+        _check_positive("eps", self.eps, allow_zero=True)
+
+
+PROX_LOGP_METHODS = ("recompute", "loglinear")
+
+
+@dataclass(kw_only=True)
+class PPOConfig:
+    """The boba PPO algorithm: reward shaping, advantages and the clipped actor loss."""
+
+    ppo_n_minibatches: int = 1
+    eps_clip: float = 0.2
+    # Asymmetric upper clip (DAPO "clip-higher"); None means eps_clip.
+    eps_clip_high: float | None = None
+    # Dual clip for negative advantages (Ye et al. 2020); None disables; must be > 1.
+    c_clip: float | None = None
+    use_decoupled_loss: bool = False
+    # Tokens whose behaviour weight exp(prox - behave) exceeds this are masked out.
+    behav_imp_weight_cap: float | None = None
+    prox_logp_method: str = "recompute"
+    discount: float = 1.0
+    gae_lambda: float = 1.0
+    reward_bias: float = 0.0
+    reward_scaling: float = 1.0
+    reward_clip: float = 20.0
+    reward_norm: NormConfig | None = None
+    adv_norm: NormConfig | None = None
+
+    def __post_init__(self):
+        _check_positive("ppo_n_minibatches", self.ppo_n_minibatches)
+        _check_positive("eps_clip", self.eps_clip)
+        if self.eps_clip_high is not None:
+            _check_positive("eps_clip_high", self.eps_clip_high)
+        if self.c_clip is not None and self.c_clip <= 1.0:
+            raise ValueError(f"c_clip={self.c_clip} must be > 1 (or null to disable)")
+        if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1.0:
+            raise ValueError(
+                f"behav_imp_weight_cap={self.behav_imp_weight_cap} must be > 1 (or null)"
+            )
+        _check_choice("prox_logp_method", self.prox_logp_method, PROX_LOGP_METHODS)
+        for key in ("discount", "gae_lambda"):
+            _check_unit_interval(key, getattr(self, key))
+        _check_positive("reward_clip", self.reward_clip)
+
+
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Adam(W) on the megatron DistributedOptimizer, with warmup + decay."""
+
+    lr: float
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    lr_scheduler: str = "constant"
+    warmup_steps_proportion: float = 0.0
+    min_lr_ratio: float = 0.0
+    gradient_clipping: float = 1.0
+
+    def __post_init__(self):
+        _check_positive("lr", self.lr)
+        _check_positive("eps", self.eps)
+        _check_positive("weight_decay", self.weight_decay, allow_zero=True)
+        _check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+        for key in ("beta1", "beta2", "warmup_steps_proportion", "min_lr_ratio"):
+            _check_unit_interval(key, getattr(self, key))
+        _check_positive("gradient_clipping", self.gradient_clipping, allow_zero=True)
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    """The megatron actor's training settings (model and parallelism arrive with #3)."""
+
+    mb_spec: MicroBatchSpec
+    optimizer: OptimizerConfig
+
+
+@dataclass(kw_only=True)
+class ExperimentConfig:
+    """Root of every YAML file under configs/."""
+
+    experiment_name: str
+    seed: int = 1
+    actor: ActorConfig
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(yaml_path: str | Path | None, overrides: list[str] | None = None,
+                schema: type = ExperimentConfig):
+    """Builds a typed config from a YAML file plus ``a.b.c=value`` overrides.
+
+    Args:
+        yaml_path: YAML file (or None for overrides only).
+        overrides: ``dotted.key=value`` strings; values are parsed as YAML (``null``,
+            ``1e-5``, ``[1,2]``), applied in order after the file.
+        schema: the root dataclass.
+
+    Returns:
+        An instance of ``schema`` with every nested dataclass validated.
+
+    Raises:
+        ConfigError: unknown key (with the nearest valid keys), wrong type (with the
+            expected type), missing required value, or a value its dataclass rejects.
+    """
+    cfg = OmegaConf.structured(schema)
+    if yaml_path is not None:
+        path = Path(yaml_path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            file_cfg = OmegaConf.load(path)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        if not isinstance(file_cfg, DictConfig):
+            raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+        cfg = _merge(cfg, file_cfg, schema, lambda key: f"{path}:{_yaml_line(path, key)}")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must look like a.b.c=value")
+        dot = OmegaConf.from_dotlist([f"{key.strip()}={value}"])
+        cfg = _merge(cfg, dot, schema, lambda _k, item=item: f"override {item!r}")
+    return _build(schema, cfg, "")
+
+
+def _merge(cfg, other, schema: type, where) -> Any:
+    try:
+        return OmegaConf.merge(cfg, other)
+    except ConfigKeyError as e:
+        key = e.full_key
+        raise ConfigError(f"{where(key)}: unknown config key {key!r}{_suggest(schema, key)}") from None
+    except ValidationError as e:
+        key = e.full_key
+        expected = _type_name(_field_type(schema, key))
+        got = OmegaConf.select(other, key, default=None)
+        raise ConfigError(
+            f"{where(key)}: config key {key!r} expects {expected}, got {got!r}"
+        ) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where(getattr(e, 'full_key', ''))}: {e}") from None
+
+
+def _build(cls: type, node: DictConfig, path: str):
+    """Instantiates ``cls`` bottom-up so a ``__post_init__`` error gets its dotted path."""
+    hints = _resolved_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        sub = _dataclass_of(hints[f.name])
+        if OmegaConf.is_missing(node, f.name):
+            if sub is not None:  # a whole required section: name its first missing leaf
+                _build(sub, OmegaConf.structured(sub), f"{path}{f.name}.")
+            key = f"{path}{f.name}"
+            raise ConfigError(
+                f"missing required config value {key!r}: set it in the YAML file or with {key}=..."
+            )
+        value = node[f.name]
+        if sub is not None and value is not None:
+            value = _build(sub, value, f"{path}{f.name}.")
+        elif isinstance(value, DictConfig | ListConfig):
+            value = OmegaConf.to_container(value)
+        kwargs[f.name] = value
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a dataclass's __post_init__ names the bare key
+        raise ConfigError(f"{path}{e}") from None
+
+
+def _all_keys(schema: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(schema):
+        full = f"{prefix}{f.name}"
+        keys.append(full)
+        sub = _dataclass_of(_resolved_hints(schema)[f.name])
+        if sub is not None:
+            keys.extend(_all_keys(sub, full + "."))
+    return keys
+
+
+def _suggest(schema: type, key: str) -> str:
+    """'; did you mean ...' with the nearest keys at the same level, else anywhere."""
+    parent, _, leaf = key.rpartition(".")
+    keys = _all_keys(schema)
+    siblings = [k for k in keys if k.rpartition(".")[0] == parent]
+    close = difflib.get_close_matches(key, siblings, n=3, cutoff=0.6)
+    if not close:  # a key in the wrong section: match the leaf name anywhere
+        by_leaf = {k.rpartition(".")[2]: k for k in keys}
+        close = [by_leaf[m] for m in difflib.get_close_matches(leaf, by_leaf, n=3, cutoff=0.6)]
+    if close:
+        return "; did you mean " + " or ".join(repr(c) for c in close) + "?"
+    return f"; valid keys here: {sorted(k.rpartition('.')[2] for k in siblings)}"
+
+
+def _resolved_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    """The dataclass inside ``tp`` (``X`` or ``Optional[X]``), if any."""
+    candidates = typing.get_args(tp) or (tp,)
+    for c in candidates:
+        if dataclasses.is_dataclass(c):
+            return c
+    return None
+
+
+def _field_type(schema: type, key: str) -> Any:
+    tp: Any = schema
+    for part in key.split("."):
+        cls = _dataclass_of(tp)
+        if cls is None:
+            return None
+        tp = _resolved_hints(cls).get(part)
+    return tp
+
+
+def _type_name(tp: Any) -> str:
+    if tp is None:
+        return "a value of the schema's type"
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return " or ".join(_type_name(a) for a in inner) + " or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _yaml_line(path: Path, dotted: str) -> int:
+    """1-based line of ``dotted`` (or its deepest existing parent) in a YAML file."""
+    node = yaml.compose(path.read_text())
+    line = 1
+    for part in dotted.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            break
+        for key_node, value_node in node.value:
+            if key_node.value == part:
+                line = key_node.start_mark.line + 1
+                node = value_node
+                break
+        else:
+            break
+    return line

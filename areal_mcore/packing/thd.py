@@ -1,0 +1,119 @@
+"""THD packing: B variable-length sequences laid end to end in one 1-D token row.
+
+Shape legend: B = sequences, T = packed tokens (padding included), B1 = B + 1.
+
+Every per-token tensor is aligned with ``input_ids``: position ``t`` of a field belongs
+to token ``t``. Optional padding rounds each sequence up to a multiple of ``N`` (TP × CP
+alignment for TransformerEngine); padded positions hold ``pad_token_id`` in
+``input_ids`` and zero in every field, so a ``loss_mask`` field masks them out of the
+loss. ``cu_seqlens`` gives the true sequence boundaries, ``cu_seqlens_padded`` the
+layout of the packed row (TE's ``cu_seqlens_q_padded``); without padding they are equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PackedBatch:
+    """A THD batch. ``max_seqlen`` is the longest segment of the packed layout."""
+
+    input_ids: torch.Tensor  # [T]
+    position_ids: torch.Tensor  # [T], restarting at 0 for each sequence
+    cu_seqlens: torch.Tensor  # [B1] int32, true lengths
+    cu_seqlens_padded: torch.Tensor  # [B1] int32, layout of the packed row
+    max_seqlen: int
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # each [T]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def seqlens(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    def split(self, values_T: torch.Tensor) -> list[torch.Tensor]:
+        """Cuts any per-token tensor of this layout back into per-sequence tensors."""
+        if values_T.shape[0] != self.input_ids.shape[0]:
+            raise ValueError(
+                f"tensor has {values_T.shape[0]} tokens, the packed batch has "
+                f"{self.input_ids.shape[0]}"
+            )
+        starts = self.cu_seqlens_padded[:-1].tolist()
+        return [values_T[s : s + n] for s, n in zip(starts, self.seqlens)]
+
+
+def pack(
+    seqs: Sequence[torch.Tensor],
+    fields: dict[str, Sequence[torch.Tensor]] | None = None,
+    *,
+    pad_to_multiple_of: int = 1,
+    pad_token_id: int = 0,
+) -> PackedBatch:
+    """Packs 1-D token tensors (and per-token fields of the same lengths) into THD.
+
+    Args:
+        seqs: B 1-D integer tensors, each at least one token long.
+        fields: name -> B 1-D tensors, each as long as its sequence (loss_mask,
+            logprobs, versions, ...).
+        pad_to_multiple_of: pad each sequence up to a multiple of this many tokens.
+        pad_token_id: token id written into the padding.
+
+    Returns:
+        The packed batch; ``unpack`` inverts it exactly.
+    """
+    if not seqs:
+        raise ValueError("pack() needs at least one sequence")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} must be >= 1")
+    fields = dict(fields or {})
+    lens = [int(s.numel()) for s in seqs]
+    for i, s in enumerate(seqs):
+        if s.dim() != 1 or s.numel() == 0:
+            raise ValueError(f"sequence {i} must be a non-empty 1-D tensor, got shape {tuple(s.shape)}")
+    for name, values in fields.items():
+        if len(values) != len(seqs):
+            raise ValueError(f"field {name!r} has {len(values)} entries for {len(seqs)} sequences")
+        for i, (v, n) in enumerate(zip(values, lens)):
+            if v.shape != (n,):
+                raise ValueError(f"field {name!r} of sequence {i} has shape {tuple(v.shape)}, expected ({n},)")
+
+    m = pad_to_multiple_of
+    padded = [-(-n // m) * m for n in lens]
+    cu_seqlens_B1 = _cumsum(lens)
+    cu_padded_B1 = _cumsum(padded)
+    device = seqs[0].device
+
+    def lay_out(parts: Sequence[torch.Tensor], fill) -> torch.Tensor:
+        if m == 1:
+            return torch.cat(list(parts))
+        out_T = torch.full((int(cu_padded_B1[-1]),), fill, dtype=parts[0].dtype, device=device)
+        for start, part in zip(cu_padded_B1[:-1].tolist(), parts):
+            out_T[start : start + part.numel()] = part
+        return out_T
+
+    position_ids_T = torch.cat([torch.arange(p, device=device) for p in padded])
+    return PackedBatch(
+        input_ids=lay_out(seqs, pad_token_id),
+        position_ids=position_ids_T,
+        cu_seqlens=cu_seqlens_B1.to(device),
+        cu_seqlens_padded=cu_padded_B1.to(device),
+        max_seqlen=max(padded),
+        fields={name: lay_out(values, 0) for name, values in fields.items()},
+    )
+
+
+def unpack(batch: PackedBatch) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
+    """Inverse of ``pack``: the sequences and the fields, padding removed."""
+    return batch.split(batch.input_ids), {k: batch.split(v) for k, v in batch.fields.items()}
+
+
+def _cumsum(lens: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    return out

@@ -1,0 +1,35 @@
+"""areal-mcore: AReaL v0.2 "boba" RL recipe on a megatron-core actor with SGLang rollout."""
+
+from setuptools import find_packages, setup
+
+# torch is a range, not a pin, so GPU users keep the CUDA build their container ships;
+# the Makefile pins the CPU wheel (torch==2.13.0) for the CPU install path.
+INSTALL_REQUIRES = [
+    "torch>=2.6",
+    # 0.17+ needs Python >= 3.12; 0.16.1 is the version tested on CPU (see DESIGN.md).
+    "megatron-core==0.16.1",
+    # megatron's dist_checkpointing saves hang without psutil, which it does not declare.
+    "psutil",
+    "omegaconf>=2.3",
+    "numpy",
+    "pyyaml",
+]
+
+EXTRAS_REQUIRE = {
+    # NVIDIA apex is not on PyPI; it comes with NVIDIA's PyTorch containers and is
+    # detected at run time (areal_mcore/accel.py), like transformer-engine.
+    "gpu": ["transformer-engine[pytorch]", "sglang", "nvidia-ml-py"],
+    "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff"],
+}
+
+setup(
+    name="areal-mcore",
+    version="0.1.0",
+    description=__doc__,
+    python_requires=">=3.10",
+    packages=find_packages(include=["areal_mcore", "areal_mcore.*"]) + ["areal_mcore.kernels"],
+    # The top-level kernels/ folder ships inside the package as areal_mcore.kernels.
+    package_dir={"areal_mcore.kernels": "kernels"},
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+)

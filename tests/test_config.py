@@ -1,0 +1,96 @@
+from pathlib import Path
+
+import pytest
+
+from areal_mcore.config import ConfigError, ExperimentConfig, NormConfig, load_config
+
+BOBA_7B = Path(__file__).parents[1] / "configs" / "boba_7b.yaml"
+
+
+def test_boba_7b_yaml_loads_seed_numbers():
+    cfg = load_config(BOBA_7B, [])
+    assert isinstance(cfg, ExperimentConfig)
+    assert cfg.actor.mb_spec.max_tokens_per_mb == 30720
+    assert cfg.actor.optimizer.lr == pytest.approx(2e-5)
+    assert cfg.actor.optimizer.eps == pytest.approx(1e-5)
+    ppo = cfg.ppo
+    assert (ppo.ppo_n_minibatches, ppo.eps_clip, ppo.behav_imp_weight_cap) == (4, 0.2, 5.0)
+    assert (ppo.reward_bias, ppo.reward_scaling, ppo.discount, ppo.gae_lambda) == (-0.5, 10.0, 1.0, 1.0)
+    assert ppo.reward_norm == NormConfig(mean_level="group", std_level="group", group_size=16)
+    assert (ppo.adv_norm.mean_level, ppo.adv_norm.std_level) == ("batch", "batch")
+
+
+def test_overrides_apply_in_order_and_parse_yaml_values():
+    cfg = load_config(BOBA_7B, ["ppo.eps_clip=0.4", "ppo.c_clip=3", "ppo.reward_norm=null",
+                                "ppo.eps_clip=0.3", "actor.optimizer.lr=1e-6"])
+    assert cfg.ppo.eps_clip == 0.3
+    assert cfg.ppo.c_clip == 3.0
+    assert cfg.ppo.reward_norm is None
+    assert cfg.actor.optimizer.lr == 1e-6
+
+
+def test_unknown_override_key_names_nearest_valid_key():
+    with pytest.raises(ConfigError) as e:
+        load_config(BOBA_7B, ["ppo.eps_clp=0.1"])
+    assert "'ppo.eps_clp'" in str(e.value) and "'ppo.eps_clip'" in str(e.value)
+
+
+def test_unknown_key_in_wrong_section_suggests_full_path():
+    with pytest.raises(ConfigError, match=r"did you mean 'actor\.optimizer\.lr'"):
+        load_config(BOBA_7B, ["lr=1e-5"])
+
+
+def test_unknown_yaml_key_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BOBA_7B.read_text().replace("  eps_clip: 0.2", "  eps_clipp: 0.2"))
+    line = next(i for i, text in enumerate(bad.read_text().splitlines(), 1) if "eps_clipp" in text)
+    with pytest.raises(ConfigError) as e:
+        load_config(bad, [])
+    assert f"{bad}:{line}" in str(e.value)
+    assert "'ppo.eps_clip'" in str(e.value)
+
+
+def test_wrong_type_names_key_and_expected_type():
+    with pytest.raises(ConfigError) as e:
+        load_config(BOBA_7B, ["actor.optimizer.lr=fast"])
+    msg = str(e.value)
+    assert "'actor.optimizer.lr'" in msg and "expects float" in msg and "'fast'" in msg
+
+
+def test_wrong_type_of_optional_field_says_null_is_allowed():
+    with pytest.raises(ConfigError, match=r"'ppo.c_clip' expects float or null"):
+        load_config(BOBA_7B, ["ppo.c_clip=big"])
+
+
+def test_invalid_choice_names_dotted_key_and_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        load_config(BOBA_7B, ["ppo.reward_norm.mean_level=prompt"])
+    assert "ppo.reward_norm.mean_level='prompt'" in str(e.value)
+    assert "['group', 'batch', 'none']" in str(e.value)
+
+
+def test_missing_required_value_says_how_to_set_it():
+    with pytest.raises(ConfigError, match=r"'actor.mb_spec.max_tokens_per_mb'.*actor.mb_spec.max_tokens_per_mb="):
+        load_config(None, ["experiment_name=x", "actor.optimizer.lr=1e-5"])
+
+
+@pytest.mark.parametrize("override", ["ppo.eps_clip", "=3", "ppo..x=1"])
+def test_malformed_override_is_a_config_error(override):
+    with pytest.raises(ConfigError):
+        load_config(BOBA_7B, [override])
+
+
+def test_missing_file_and_non_mapping_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml", [])
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml", [])
+    (tmp_path / "broken.yaml").write_text("a: [1,\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(tmp_path / "broken.yaml", [])
+
+
+def test_dataclass_validation_without_loader():
+    with pytest.raises(ValueError, match=r"std_level='pop'.*\['group', 'batch', 'none'\]"):
+        NormConfig(mean_level="batch", std_level="pop")
