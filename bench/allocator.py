@@ -122,7 +122,10 @@ METHODS = {
 }
 
 
-def main(batch_sizes=(512, 2048, 8192), seeds=(0, 1, 2)) -> list[dict]:
+RESULTS = Path(__file__).parent / "results" / "allocator.json"
+
+
+def main(batch_sizes=(512, 2048, 8192), seeds=(0, 1, 2), out: Path = RESULTS) -> list[dict]:
     rows = []
     for cap, max_new in SETTINGS:
         for n in batch_sizes:
@@ -148,8 +151,7 @@ def main(batch_sizes=(512, 2048, 8192), seeds=(0, 1, 2)) -> list[dict]:
     print(f"\nours vs (a): fewer bins on {sum(o['bins'] < f['bins'] for o, f in zip(ours, ffd))}"
           f"/{len(ours)} batches, more on {sum(o['bins'] > f['bins'] for o, f in zip(ours, ffd))}; "
           f"ours within LB+1 on {sum(o['bins'] <= o['lower_bound'] + 1 for o in ours)}/{len(ours)}")
-    out = Path(__file__).parent / "results" / "allocator.json"
-    out.parent.mkdir(exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print(f"wrote {out}")
     return rows
