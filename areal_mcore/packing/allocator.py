@@ -155,6 +155,8 @@ _MAX_EXACT_GAP = 1 << 18
 # Bin counts between the lower bound and the dense packing tried with LPT (cheap, rarely
 # needed: mostly when rounding up to the divisor overshoots).
 _MAX_LPT_TRIES = 4
+# Lighter bins the balancing search pairs with the heaviest one before it gives up.
+_BALANCE_PARTNERS = 32
 
 
 def _pack_dense(lens: list[int], cap: int, target_bins: int) -> list[list[int]]:
@@ -271,27 +273,29 @@ def _balance(bins: list[list[int]], lens: list[int], max_rounds: int = 100_000) 
     below the old maximum, so the sorted load vector decreases and the loop ends; the
     cap holds because no bin ever exceeds the current maximum.
     """
-    loads = [sum(lens[i] for i in b) for b in bins]
+    loads = np.array([sum(lens[i] for i in b) for b in bins], dtype=np.int64)
     for _ in range(max_rounds):
-        heavy = max(range(len(bins)), key=lambda b: (loads[b], -b))
-        for light in sorted(range(len(bins)), key=lambda b: (loads[b], b)):
-            gap = loads[heavy] - loads[light]
-            if gap <= 1:
-                return  # no lighter bin can take anything from the heaviest one
-            step = _best_step(bins[heavy], bins[light], lens, gap)
-            if step is not None:
-                out, back = step
-                bins[heavy].remove(out)
-                bins[light].append(out)
-                if back is not None:
-                    bins[light].remove(back)
-                    bins[heavy].append(back)
-                shift = lens[out] - (lens[back] if back is not None else 0)
-                loads[heavy] -= shift
-                loads[light] += shift
-                break
-        else:
-            return
+        heavy = int(np.argmax(loads))
+        light = int(np.argmin(loads))  # usually the lightest bin takes the step
+        step = _best_step(bins[heavy], bins[light], lens, int(loads[heavy] - loads[light]))
+        if step is None:
+            for light in np.argsort(loads, kind="stable")[1:_BALANCE_PARTNERS].tolist():
+                gap = int(loads[heavy] - loads[light])
+                if gap <= 1:
+                    return  # no lighter bin can take anything from the heaviest one
+                if (step := _best_step(bins[heavy], bins[light], lens, gap)) is not None:
+                    break
+            else:
+                return
+        out, back = step
+        bins[heavy].remove(out)
+        bins[light].append(out)
+        if back is not None:
+            bins[light].remove(back)
+            bins[heavy].append(back)
+        shift = lens[out] - (lens[back] if back is not None else 0)
+        loads[heavy] -= shift
+        loads[light] += shift
 
 
 def _best_step(heavy: list[int], light: list[int], lens: list[int], gap: int):
