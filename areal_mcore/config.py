@@ -232,7 +232,7 @@ def _merge(cfg, other, schema: type, where) -> Any:
 
 def _build(cls: type, node: DictConfig, path: str):
     """Instantiates ``cls`` bottom-up so a ``__post_init__`` error gets its dotted path."""
-    hints = _resolved_hints(cls)
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         sub = _dataclass_of(hints[f.name])
@@ -256,11 +256,11 @@ def _build(cls: type, node: DictConfig, path: str):
 
 
 def _all_keys(schema: type, prefix: str = "") -> list[str]:
-    keys = []
+    keys, hints = [], typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
         full = f"{prefix}{f.name}"
         keys.append(full)
-        sub = _dataclass_of(_resolved_hints(schema)[f.name])
+        sub = _dataclass_of(hints[f.name])
         if sub is not None:
             keys.extend(_all_keys(sub, full + "."))
     return keys
@@ -280,10 +280,6 @@ def _suggest(schema: type, key: str) -> str:
     return f"; valid keys here: {sorted(k.rpartition('.')[2] for k in siblings)}"
 
 
-def _resolved_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _dataclass_of(tp: Any) -> type | None:
     """The dataclass inside ``tp`` (``X`` or ``Optional[X]``), if any."""
     candidates = typing.get_args(tp) or (tp,)
@@ -299,7 +295,7 @@ def _field_type(schema: type, key: str) -> Any:
         cls = _dataclass_of(tp)
         if cls is None:
             return None
-        tp = _resolved_hints(cls).get(part)
+        tp = typing.get_type_hints(cls).get(part)
     return tp
 
 

@@ -53,10 +53,9 @@ def allocate_micro_batches(
         bins = strict if len(strict) < len(bins) else bins
     k = _round_up(max(len(bins), min_mbs), divisor)
     # Rounding to the divisor can overshoot; a balanced LPT packing may fit in between.
-    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    k_min = _round_up(max(-(-sum(lens) // cap), min_mbs, 1), divisor)
+    k_min = _round_up(max(bound, min_mbs), divisor)
     for k_try in range(k_min, min(k, len(lens) + 1), divisor)[:_MAX_LPT_TRIES]:
-        if (lpt := _pack_lpt(order, lens, cap, k_try)) is not None:
+        if (lpt := _pack_lpt(lens, cap, k_try)) is not None:
             return _resize(lpt, lens, cap, k_try)
     if k > len(lens):
         raise ValueError(
@@ -123,18 +122,17 @@ def _round_up(x: int, m: int) -> int:
 def _resize(bins: list[list[int]], lens: list[int], cap: int, k: int) -> list[list[int]]:
     """Spreads a feasible packing over k >= len(bins) bins, balanced, none empty."""
     if k > len(bins):
-        order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-        bins = _pack_lpt(order, lens, cap, k) or [list(b) for b in bins] + [[] for _ in range(k - len(bins))]
+        bins = _pack_lpt(lens, cap, k) or [list(b) for b in bins] + [[] for _ in range(k - len(bins))]
     _fill_empty(bins, lens)
     _balance(bins, lens)
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
-def _pack_lpt(order: list[int], lens: list[int], cap: int, k: int) -> list[list[int]] | None:
+def _pack_lpt(lens: list[int], cap: int, k: int) -> list[list[int]] | None:
     """Largest first onto the lightest bin; None if some sequence fits nowhere."""
     heap = [(0, b) for b in range(k)]
     bins: list[list[int]] = [[] for _ in range(k)]
-    for i in order:
+    for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
         load, b = heap[0]
         if load + lens[i] > cap:  # the lightest bin has the most room
             return None
