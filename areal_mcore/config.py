@@ -155,11 +155,36 @@ class OptimizerConfig:
 
 
 @dataclass(kw_only=True)
+class ParallelConfig:
+    """Megatron model parallelism; data parallelism is what remains of the world size."""
+
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        _check_positive("tp", self.tp)
+        _check_positive("pp", self.pp)
+
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(kw_only=True)
 class ActorConfig:
-    """The megatron actor's training settings (model and parallelism arrive with #3)."""
+    """The megatron actor: parallelism, precision, micro-batching, optimizer."""
 
     mb_spec: MicroBatchSpec
     optimizer: OptimizerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dtype: str = "float32"
+    # Full-layer activation recomputation: a second forward per layer for long contexts.
+    recompute: bool = False
+    # Padded vocab = multiple of this x TP (megatron's make-vocab-size-divisible-by).
+    vocab_divisible_by: int = 128
+
+    def __post_init__(self):
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_positive("vocab_divisible_by", self.vocab_divisible_by)
 
 
 @dataclass(kw_only=True)

@@ -28,6 +28,7 @@ class PackedBatch:
     cu_seqlens_padded: torch.Tensor  # [B1] int32, layout of the packed row
     max_seqlen: int
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # each [T]
+    pad_to_multiple_of: int = 1
 
     @property
     def num_seqs(self) -> int:
@@ -36,6 +37,17 @@ class PackedBatch:
     @property
     def seqlens(self) -> list[int]:
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    @property
+    def seqlens_padded(self) -> list[int]:
+        """Segment lengths of the packed layout (what micro-batch token budgets count)."""
+        return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).tolist()
+
+    def select(self, indices: Sequence[int]) -> PackedBatch:
+        """The sub-batch of the given sequences, in that order, with the same padding."""
+        seqs, fields = unpack(self)
+        return pack([seqs[i] for i in indices], {k: [v[i] for i in indices] for k, v in fields.items()},
+                    pad_to_multiple_of=self.pad_to_multiple_of)
 
     def split(self, values_T: torch.Tensor) -> list[torch.Tensor]:
         """Cuts any per-token tensor of this layout back into per-sequence tensors."""
@@ -105,6 +117,7 @@ def pack(
         cu_seqlens_padded=cu_padded_B1.to(device),
         max_seqlen=max(padded),
         fields={name: lay_out(values, 0) for name, values in fields.items()},
+        pad_to_multiple_of=m,
     )
 
 

@@ -1,0 +1,227 @@
+"""MegatronActor: a megatron-core GPTModel with DDP + DistributedOptimizer that computes
+token logprobs and trains on THD micro-batches with a caller-supplied loss.
+
+The loss contract (``LossFn``): ``loss_fn(logprobs_T, micro_batch, num_global_tokens)``
+returns ``(loss, stats)`` where ``loss`` is already a *sum* over the micro-batch divided
+by the loss-token count of the whole minibatch on all data-parallel ranks. The actor
+undoes megatron's own averaging so that these losses add up to the exact token mean.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from areal_mcore import accel
+from areal_mcore.actor.logprobs import token_logprobs
+from areal_mcore.actor.parallel import ParallelGroups, init_parallel
+from areal_mcore.config import ActorConfig
+from areal_mcore.model import adapter
+from areal_mcore.model.hf_config import (
+    ModelArgs,
+    build_gpt_model,
+    padded_vocab_size,
+    transformer_config,
+)
+from areal_mcore.packing import PackedBatch, allocate_micro_batches, allocate_micro_batches_synced
+
+LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+class MegatronActor:
+    """Owns the model, optimizer and LR schedule of one rank; parallelism comes from cfg."""
+
+    def __init__(self, cfg: ActorConfig, hf_config, *, seed: int = 1, total_optimizer_steps: int = 1):
+        self.cfg = cfg
+        self.args = ModelArgs.from_hf(hf_config)
+        self.groups: ParallelGroups = init_parallel(cfg.parallel, seed)
+        g = self.groups
+        found = accel.detect()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if found.cuda else torch.device("cpu")
+        self.padded_vocab = padded_vocab_size(self.args.vocab_size, g.tp_size, cfg.vocab_divisible_by)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        self.config = transformer_config(self.args, tp_size=g.tp_size, pp_size=g.pp_size,
+                                         params_dtype=dtype, recompute=cfg.recompute, on_gpu=found.cuda)
+        model = build_gpt_model(self.args, self.config, padded_vocab=self.padded_vocab,
+                                use_te=found.transformer_engine, pre_process=g.is_first_stage,
+                                post_process=g.is_last_stage, pg_collection=g.collection)
+        model.to(self.device)
+        self.model = DistributedDataParallel(
+            config=self.config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+            ),
+            module=model,
+        )
+        o = cfg.optimizer
+        self.optimizer = get_megatron_optimizer(
+            MegatronOptimizerConfig(
+                optimizer="adam", lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay,
+                adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.gradient_clipping,
+                use_distributed_optimizer=True, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+            ),
+            [self.model],
+        )
+        warmup = int(o.warmup_steps_proportion * total_optimizer_steps)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if warmup else o.lr, max_lr=o.lr, min_lr=o.lr * o.min_lr_ratio,
+            lr_warmup_steps=warmup, lr_decay_steps=max(total_optimizer_steps, warmup + 1),
+            lr_decay_style=o.lr_scheduler, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant",
+        )
+        # The schedules all-reduce grads and embedding ties through this hook.
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model.no_sync
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self._fb = get_forward_backward_func()
+
+    # ------------------------------------------------------------------ weights
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Loads full HF tensors (this rank takes its TP/PP shard)."""
+        g = self.groups
+        local = adapter.from_hf(state_dict, self.args, tp_rank=g.tp_rank, tp_size=g.tp_size,
+                                pp_rank=g.pp_rank, pp_size=g.pp_size, padded_vocab=self.padded_vocab)
+        params = dict(self.model.module.named_parameters())
+        unknown = sorted(set(local) - set(params))
+        missing = sorted(set(params) - set(local))
+        if unknown or missing:
+            raise KeyError(f"adapter/model mismatch: unmapped {missing[:4]}, unknown {unknown[:4]}")
+        with torch.no_grad():
+            for name, tensor in local.items():
+                params[name].copy_(tensor)
+        self.optimizer.reload_model_params()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """This pipeline stage's weights in HF names and layout, gathered over TP."""
+        g = self.groups
+        local = {n: p.detach() for n, p in self.model.module.named_parameters()}
+        shards = [dict() for _ in range(g.tp_size)]
+        for name in sorted(local):
+            parts = [torch.empty_like(local[name]) for _ in range(g.tp_size)]
+            dist.all_gather(parts, local[name].contiguous(), group=g.tp)
+            for r in range(g.tp_size):
+                shards[r][name] = parts[r].cpu()
+        return adapter.to_hf(shards, self.args, pp_rank=g.pp_rank, pp_size=g.pp_size)
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward_step(self, loss_func, data_iterator: Iterator[PackedBatch], model):
+        mb = next(data_iterator)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=mb.cu_seqlens.to(self.device), cu_seqlens_kv=mb.cu_seqlens.to(self.device),
+            cu_seqlens_q_padded=mb.cu_seqlens_padded.to(self.device),
+            cu_seqlens_kv_padded=mb.cu_seqlens_padded.to(self.device),
+            max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen,
+        )
+        ids = mb.input_ids.to(self.device).unsqueeze(0)
+        pos = mb.position_ids.to(self.device).unsqueeze(0)
+        output = model(ids, pos, attention_mask=None, packed_seq_params=params)
+        return output, partial(loss_func, mb)
+
+    def _logprobs(self, mb: PackedBatch, logits_1TV: torch.Tensor, temperature: float) -> torch.Tensor:
+        return token_logprobs(logits_1TV.squeeze(0), mb.input_ids.to(self.device),
+                              mb.cu_seqlens_padded.to(self.device), vocab_size=self.args.vocab_size,
+                              tp_rank=self.groups.tp_rank, temperature=temperature)
+
+    def _run(self, micro_batches: list[PackedBatch], loss_func, forward_only: bool):
+        return self._fb(
+            forward_step_func=partial(self._forward_step, loss_func),
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(int(mb.input_ids.numel()) for mb in micro_batches),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
+        """logp_T of ``batch``'s own tokens (0 at sequence starts), on every rank."""
+        g = self.groups
+        self.model.eval()
+        lens = batch.seqlens_padded
+        bins = allocate_micro_batches(lens, self.cfg.mb_spec.max_tokens_per_mb,
+                                      min_mbs=min(g.pp_size, len(lens)))
+        micro = [batch.select(b) for b in bins]
+
+        def loss_func(mb, logits):
+            logp = self._logprobs(mb, logits, temperature)
+            return logp.sum() * 0.0, {"logprobs": logp}
+
+        outputs = self._run(micro, loss_func, forward_only=True)
+        out_T = torch.zeros(batch.input_ids.numel(), dtype=torch.float32, device=self.device)
+        if g.is_last_stage:
+            starts = batch.cu_seqlens_padded[:-1].tolist()
+            for b, mb, out in zip(bins, micro, outputs, strict=True):
+                for i, logp in zip(b, mb.split(out["logprobs"]), strict=True):
+                    out_T[starts[i] : starts[i] + logp.numel()] = logp
+        if g.pp_size > 1:
+            dist.broadcast(out_T, src=g.pp_last_rank, group=g.pp)
+        self.model.train()
+        return out_T
+
+    # ------------------------------------------------------------------ train
+
+    def train_batch(self, batch: PackedBatch, loss_fn: LossFn, n_minibatches: int = 1) -> dict:
+        """One optimizer step per minibatch (contiguous slices of the sequences).
+
+        Returns per-minibatch ``loss`` (the exact token mean over all DP ranks),
+        ``grad_norm``, ``n_micro_batches``, plus ``tokens``, ``time_s`` and the loss
+        function's ``micro_stats`` (last pipeline stage; reduce them with the DP group).
+        """
+        g = self.groups
+        t0 = time.perf_counter()
+        self.model.train()
+        result = {"loss": [], "grad_norm": [], "n_micro_batches": [], "micro_stats": []}
+        for ids in np.array_split(np.arange(batch.num_seqs), n_minibatches):
+            sub = batch.select(ids.tolist())
+            tokens = sub.fields["loss_mask"].float().sum().to(self.device)
+            dist.all_reduce(tokens, group=g.dp)
+            lens = sub.seqlens_padded
+            bins = allocate_micro_batches_synced(lens, self.cfg.mb_spec.max_tokens_per_mb, group=g.dp,
+                                                 min_mbs=min(g.pp_size, len(lens)))
+            micro = [sub.select(b) for b in bins]
+            n_mb = len(micro)
+
+            def loss_func(mb, logits, n_mb=n_mb, tokens=tokens):
+                logp = self._logprobs(mb, logits, temperature=1.0)
+                loss, stats = loss_fn(logp, mb, tokens)
+                stats = {**stats, "loss": loss.detach().clone()}
+                # megatron divides each micro-batch loss by num_microbatches (schedules.py,
+                # forward_step) and DDP averages grads over DP (gradient_scaling_factor =
+                # 1/dp); our loss is already normalised by the global token count, so
+                # both divisions are undone here to keep the sum an exact token mean.
+                return loss * n_mb * g.dp_size, stats
+
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            outputs = self._run(micro, loss_func, forward_only=False)
+            _, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            loss = torch.zeros((), device=self.device)
+            if g.is_last_stage:
+                loss = sum(o["loss"] for o in outputs).float()
+                result["micro_stats"].extend(outputs)
+            dist.all_reduce(loss, group=g.dp)
+            if g.pp_size > 1:
+                dist.broadcast(loss, src=g.pp_last_rank, group=g.pp)
+            result["loss"].append(float(loss))
+            result["grad_norm"].append(float(grad_norm) if grad_norm is not None else float("nan"))
+            result["n_micro_batches"].append(n_mb)
+        result["tokens"] = int(batch.input_ids.numel())
+        result["time_s"] = time.perf_counter() - t0
+        return result

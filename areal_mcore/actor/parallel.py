@@ -1,0 +1,71 @@
+"""Megatron parallel state from a config, and the process groups handed to our code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from areal_mcore.config import ParallelConfig
+from areal_mcore.model.cpu_shims import apply_cpu_shims
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The groups this rank belongs to; passed explicitly to everything we write."""
+
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    pp_last_rank: int  # global rank of the last stage in this rank's pipeline
+    collection: ProcessGroupCollection  # the same groups, in megatron's container
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def init_parallel(cfg: ParallelConfig, seed: int) -> ParallelGroups:
+    """Initialises megatron's model-parallel state on the already-initialised world.
+
+    megatron's layers and schedules read these groups from ``parallel_state``; our code
+    (allocator, normalisation, weight gathering) gets them from the returned object.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("init_process_group first (torchrun, or gloo in tests)")
+    world = dist.get_world_size()
+    if world % (cfg.tp * cfg.pp):
+        raise ValueError(f"world size {world} is not divisible by tp={cfg.tp} x pp={cfg.pp}")
+    apply_cpu_shims()
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp
+    )
+    model_parallel_cuda_manual_seed(seed)
+    return ParallelGroups(
+        tp=mpu.get_tensor_model_parallel_group(),
+        pp=mpu.get_pipeline_model_parallel_group(),
+        dp=mpu.get_data_parallel_group(),
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        tp_size=cfg.tp,
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        pp_size=cfg.pp,
+        dp_rank=mpu.get_data_parallel_rank(),
+        dp_size=mpu.get_data_parallel_world_size(),
+        pp_last_rank=mpu.get_pipeline_model_parallel_last_rank(),
+        collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )

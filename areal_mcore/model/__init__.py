@@ -1,0 +1,1 @@
+"""HF config -> megatron model, HF <-> megatron weight adapter, CPU shims."""

@@ -1,0 +1,171 @@
+"""HF <-> megatron state-dict adapter for Qwen2 / LLaMA, declared as data.
+
+``PARAMS`` lists every weight once: its megatron name, its HF name(s) and a *kind*
+that says how the tensors are fused and how they are split over tensor-parallel ranks.
+``from_hf`` produces one (TP rank, PP stage)'s megatron shard; ``to_hf`` takes the
+shards of all TP ranks of a stage and returns HF tensors. Layer indices: ``{i}`` is the
+global HF layer, ``{l}`` the stage-local megatron layer.
+
+Kinds (the only place that knows layouts):
+- ``replicated``: the same tensor on every TP rank (norms).
+- ``column`` / ``row``: split along dim 0 / dim 1.
+- ``vocab``: rows padded to the padded vocab, then split along dim 0.
+- ``qkv``: q, k, v fused per kv group ([q heads of the group; k; v] per group), groups
+  split over TP ranks — megatron's GQA layout for ``linear_qkv``.
+- ``gate_up``: each rank holds [gate_r; up_r], its slice of gate then of up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from areal_mcore.model.hf_config import ModelArgs
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    mcore: str
+    hf: tuple[str, ...]
+    kind: str
+    per_layer: bool = True
+    stage: str = "any"  # "first" (embedding), "last" (final norm, lm head) or "any"
+    only_if: Callable[[ModelArgs], bool] = lambda args: True
+
+
+_L = "decoder.layers.{l}."
+_H = "model.layers.{i}."
+PARAMS: tuple[ParamMap, ...] = (
+    ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab",
+             per_layer=False, stage="first"),
+    ParamMap(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "replicated"),
+    ParamMap(_L + "self_attention.linear_qkv.weight",
+             tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+    ParamMap(_L + "self_attention.linear_qkv.bias",
+             tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv",
+             only_if=lambda args: args.qkv_bias),
+    ParamMap(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row"),
+    ParamMap(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated"),
+    ParamMap(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+             "gate_up"),
+    ParamMap(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row"),
+    ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated",
+             per_layer=False, stage="last"),
+    ParamMap("output_layer.weight", ("lm_head.weight",), "vocab", per_layer=False, stage="last",
+             only_if=lambda args: not args.tie_word_embeddings),
+)
+
+
+# --------------------------------------------------------------------------- kinds
+# Each kind: shard(hf_tensors, args, rank, tp, padded_vocab) -> megatron shard, and
+# merge(shards of all ranks, args) -> hf tensors.
+
+
+def _qkv_split_sizes(args: ModelArgs):
+    per_group_q = args.num_heads // args.num_kv_heads * args.head_dim
+    return args.num_kv_heads, per_group_q, args.head_dim
+
+
+def _shard_qkv(hf, args, rank, tp, _):
+    q, k, v = hf
+    groups, gq, d = _qkv_split_sizes(args)
+    tail = q.shape[1:]
+    fused = torch.cat([q.reshape(groups, gq, *tail), k.reshape(groups, d, *tail),
+                       v.reshape(groups, d, *tail)], dim=1)  # [groups, gq + 2d, ...]
+    return fused.chunk(tp, dim=0)[rank].reshape(-1, *tail)
+
+
+def _merge_qkv(shards, args):
+    groups, gq, d = _qkv_split_sizes(args)
+    tail = shards[0].shape[1:]
+    fused = torch.cat(shards, dim=0).reshape(groups, gq + 2 * d, *tail)
+    q, k, v = fused.split([gq, d, d], dim=1)
+    return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
+
+
+def _shard_gate_up(hf, args, rank, tp, _):
+    gate, up = hf
+    return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0)
+
+
+def _merge_gate_up(shards, args):
+    halves = [s.chunk(2, dim=0) for s in shards]
+    return [torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)]
+
+
+def _shard_vocab(hf, args, rank, tp, padded_vocab):
+    (w,) = hf
+    padded = torch.zeros(padded_vocab, *w.shape[1:], dtype=w.dtype)
+    padded[: w.shape[0]] = w
+    return padded.chunk(tp, dim=0)[rank]
+
+
+_KINDS = {
+    "replicated": (lambda hf, a, r, tp, _: hf[0], lambda shards, a: [shards[0]]),
+    "column": (lambda hf, a, r, tp, _: hf[0].chunk(tp, 0)[r], lambda s, a: [torch.cat(s, 0)]),
+    "row": (lambda hf, a, r, tp, _: hf[0].chunk(tp, 1)[r], lambda s, a: [torch.cat(s, 1)]),
+    "vocab": (_shard_vocab, lambda s, a: [torch.cat(s, 0)[: a.vocab_size]]),
+    "qkv": (_shard_qkv, _merge_qkv),
+    "gate_up": (_shard_gate_up, _merge_gate_up),
+}
+
+
+# --------------------------------------------------------------------------- API
+
+
+def stage_layers(args: ModelArgs, pp_rank: int, pp_size: int) -> range:
+    """Global layer indices held by a pipeline stage (equal split, as megatron does)."""
+    per = args.num_layers // pp_size
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def _entries(args: ModelArgs, pp_rank: int, pp_size: int):
+    """(ParamMap, megatron name, HF names) for every weight on this stage."""
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    for p in PARAMS:
+        if not p.only_if(args):
+            continue
+        if (p.stage == "first" and not first) or (p.stage == "last" and not last):
+            continue
+        if p.per_layer:
+            for local, i in enumerate(stage_layers(args, pp_rank, pp_size)):
+                yield p, p.mcore.format(l=local), tuple(h.format(i=i) for h in p.hf)
+        else:
+            yield p, p.mcore, p.hf
+    # A tied lm head lives in the first stage's embedding; megatron keeps a copy in the
+    # last stage's output layer when the two are different stages.
+    if args.tie_word_embeddings and last and not first:
+        yield PARAMS[0], "output_layer.weight", PARAMS[0].hf
+
+
+def from_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, *, tp_rank: int, tp_size: int,
+            pp_rank: int, pp_size: int, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """The megatron state dict of one (TP rank, PP stage) from a full HF state dict."""
+    missing = [h for _, _, hf in _entries(args, pp_rank, pp_size) for h in hf if h not in state_dict]
+    if missing:
+        raise KeyError(f"HF checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    out = {}
+    for p, name, hf_names in _entries(args, pp_rank, pp_size):
+        shard, _ = _KINDS[p.kind]
+        out[name] = shard([state_dict[h] for h in hf_names], args, tp_rank, tp_size, padded_vocab).contiguous()
+    return out
+
+
+def to_hf(shards: list[dict[str, torch.Tensor]], args: ModelArgs, *, pp_rank: int,
+          pp_size: int) -> dict[str, torch.Tensor]:
+    """HF tensors of one PP stage from the megatron state dicts of all its TP ranks."""
+    out = {}
+    for p, name, hf_names in _entries(args, pp_rank, pp_size):
+        if name == "output_layer.weight" and args.tie_word_embeddings:
+            continue  # the tied copy; the embedding already gave model.embed_tokens
+        _, merge = _KINDS[p.kind]
+        for h, t in zip(hf_names, merge([s[name] for s in shards], args), strict=True):
+            out[h] = t.contiguous()
+    return out
+
+
+def hf_names(args: ModelArgs) -> list[str]:
+    """Every HF weight name of the model, in layer order (weight sync plans use it)."""
+    return [h for _, _, hf in _entries(args, 0, 1) for h in hf]

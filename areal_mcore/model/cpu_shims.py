@@ -1,0 +1,180 @@
+"""Lets megatron-core 0.16.1 run on CPU with gloo: narrow redirects of CUDA-only calls.
+
+Applied once, and only when CUDA is absent (``apply_cpu_shims``); on a GPU machine this
+module changes nothing. Each shim names the megatron call site it serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+
+import torch
+
+_APPLIED = False
+
+
+def apply_cpu_shims() -> bool:
+    """Installs the shims if CUDA is unavailable; returns whether they are active."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    _redirect_current_device()
+    _cpu_rng_tracker()
+    _no_op_synchronize()
+    _cuda_factories_to_cpu()
+    _cuda_type_names()
+    _APPLIED = True
+    return True
+
+
+def shims_active() -> bool:
+    return _APPLIED
+
+
+def _redirect_current_device() -> None:
+    # megatron passes `device=torch.cuda.current_device()` to tensor factories all over
+    # (tensor_parallel/layers.py weights, schedules.py, p2p_communication.py, distributed
+    # buffers, optimizer state); "cpu" is a valid device for all of them.
+    torch.cuda.current_device = lambda: "cpu"
+
+
+class _CPURNGStatesTracker:
+    """tensor_parallel/random.py: CudaRNGStatesTracker keeps named CUDA generator states
+    and forks into them (TP-region dropout, weight init on device, activation recompute).
+    On CPU the named states are CPU generator states and the fork swaps the CPU state."""
+
+    def __init__(self, *_, **__):
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_ or name in self.states_:
+            raise Exception(f"rng state {name} / seed {seed} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def _cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random.CudaRNGStatesTracker = _CPURNGStatesTracker
+    # random.py: checkpoint()/_fork_rng save and restore the "cuda" generator with these.
+    mp_random._get_cuda_rng_state = lambda *_, **__: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *_, **__: torch.set_rng_state(state)
+
+
+def _no_op_synchronize() -> None:
+    # pipeline_parallel/p2p_communication.py calls torch.cuda.synchronize() after the
+    # shape exchange when variable_seq_lengths=True; gloo ops on CPU are already complete.
+    torch.cuda.synchronize = lambda *_, **__: None
+
+
+class _CPUTorch(types.ModuleType):
+    """``torch`` as seen by one megatron module, with ``device="cuda"`` factories on CPU."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in self._FACTORIES:
+            @functools.wraps(attr)
+            def on_cpu(*args, **kwargs):
+                if str(kwargs.get("device")).startswith("cuda"):
+                    kwargs["device"] = "cpu"
+                return attr(*args, **kwargs)
+            return on_cpu
+        return attr
+
+
+# Modules that build tensors with a hard-coded device="cuda":
+_HARD_CODED_CUDA = (
+    "megatron.core.optimizer.optimizer",  # found_inf, _dummy_overflow_buf, _scale_one
+    "megatron.core.optimizer.clip_grads",  # total_norm_cuda, grad_norm, dummy_overflow_buf
+    "megatron.core.optimizer.grad_scaler",  # loss-scale tensors
+    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens
+    "megatron.core.distributed.param_and_grad_buffer",  # tmp_warmup_tensor
+    "megatron.core.utils",  # local_multi_tensor_l2_norm / _scale (grad norm without apex)
+)
+
+
+def _cuda_factories_to_cpu() -> None:
+    cpu_torch = _CPUTorch()
+    for name in _HARD_CODED_CUDA:
+        importlib.import_module(name).torch = cpu_torch
+
+
+def _with_cuda_type_names(fn):
+    """Runs ``fn`` while ``Tensor.type()`` reports CPU tensors as 'torch.cuda.*Tensor'."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        original = torch.Tensor.type
+
+        def cuda_type(self, dtype=None, non_blocking=False, **kw):
+            if dtype is None and not kw and not self.is_cuda:
+                return original(self).replace("torch.", "torch.cuda.", 1)
+            return original(self, dtype, non_blocking, **kw)
+
+        torch.Tensor.type = cuda_type
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    return wrapper
+
+
+def _cuda_type_names() -> None:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    # distrib_optimizer.py: _build_model_and_main_param_groups sorts params by
+    # `param.type() in ['torch.cuda.HalfTensor', ...]` / `== 'torch.cuda.FloatTensor'`.
+    cls = distrib_optimizer.DistributedOptimizer
+    cls._build_model_and_main_param_groups = classmethod(
+        _with_cuda_type_names(cls._build_model_and_main_param_groups.__func__)
+    )
+    # optimizer.py: Float16OptimizerWithFloat16Params.__init__ makes the same checks.
+    f16 = optimizer.Float16OptimizerWithFloat16Params
+    f16.__init__ = _with_cuda_type_names(f16.__init__)
+    # clip_grads.py: get_grad_norm_fp32 and clip_grad_by_total_norm_fp32 assert grads
+    # are 'torch.cuda.FloatTensor'; optimizer.py imported them by name, so both
+    # references are replaced.
+    for name in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32"):
+        wrapped = _with_cuda_type_names(getattr(clip_grads, name))
+        setattr(clip_grads, name, wrapped)
+        setattr(optimizer, name, wrapped)

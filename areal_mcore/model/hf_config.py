@@ -1,0 +1,158 @@
+"""HF Qwen2 / LLaMA config -> megatron ``TransformerConfig``, layer spec and ``GPTModel``.
+
+R1-Distill-Qwen models are Qwen2: GQA, SwiGLU, RMSNorm, RoPE, bias on q/k/v only. LLaMA
+is the same without the qkv bias (``attention_bias``). Anything the mapping cannot
+represent (RoPE scaling, sliding windows, other architectures) is an error, not a
+silently different model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from areal_mcore.model.attention import CPUCoreAttention
+
+SUPPORTED = ("qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The architecture, read once from an HF config and validated."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, hf) -> ModelArgs:
+        """From a ``transformers`` config object (or anything with its attributes)."""
+        if hf.model_type not in SUPPORTED:
+            raise ValueError(f"model_type={hf.model_type!r} is not supported; use one of {list(SUPPORTED)}")
+        rope_scaling = getattr(hf, "rope_scaling", None)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+            raise ValueError(f"rope_scaling={rope_scaling} is not supported (only plain RoPE)")
+        if getattr(hf, "use_sliding_window", False):
+            raise ValueError("use_sliding_window=true is not supported; set it to false")
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported (only silu/SwiGLU)")
+        heads = hf.num_attention_heads
+        rope_theta = getattr(hf, "rope_theta", None)
+        if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
+            rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        return cls(
+            model_type=hf.model_type,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            ffn_hidden_size=hf.intermediate_size,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            max_position_embeddings=hf.max_position_embeddings,
+        )
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
+    """Vocab rounded up so every TP rank holds an equal, aligned slice (megatron's rule)."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dtype: torch.dtype,
+                       recompute: bool = False, on_gpu: bool = False) -> TransformerConfig:
+    """The megatron config for ``args`` under the given parallelism.
+
+    ``recompute`` turns on full-layer activation recomputation (long contexts trade a
+    second forward for memory). The fusions are CUDA kernels, off on CPU.
+    """
+    if args.num_layers % pp_size:
+        raise ValueError(f"num_hidden_layers={args.num_layers} must be divisible by pp={pp_size}")
+    for name, value in (("num_attention_heads", args.num_heads), ("num_key_value_heads", args.num_kv_heads)):
+        if value % tp_size:
+            raise ValueError(f"{name}={value} must be divisible by tp={tp_size}")
+    recompute_kw = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if recompute else {}
+    )
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_heads,
+        num_query_groups=args.num_kv_heads,
+        kv_channels=args.head_dim,
+        ffn_hidden_size=args.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=args.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        # THD micro-batches differ in length: PP must exchange shapes before tensors.
+        variable_seq_lengths=True,
+        # megatron's validation asks for this with variable_seq_lengths even without MoE.
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=not on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=on_gpu,
+        apply_rope_fusion=on_gpu,
+        **recompute_kw,
+    )
+
+
+def layer_spec(use_te: bool) -> ModuleSpec:
+    """TransformerEngine's spec when TE is usable, else the local spec + THD CPU attention."""
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = CPUCoreAttention
+    return spec
+
+
+def build_gpt_model(args: ModelArgs, config: TransformerConfig, *, padded_vocab: int, use_te: bool,
+                    pre_process: bool, post_process: bool, pg_collection=None) -> GPTModel:
+    """The GPTModel for one pipeline stage (architecture only; parallelism is in config)."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(use_te),
+        vocab_size=padded_vocab,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=args.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(args.rope_theta),
+        pg_collection=pg_collection,
+    )
