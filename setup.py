@@ -19,7 +19,8 @@ EXTRAS_REQUIRE = {
     # NVIDIA apex is not on PyPI; it comes with NVIDIA's PyTorch containers and is
     # detected at run time (areal_mcore/accel.py), like transformer-engine.
     "gpu": ["transformer-engine[pytorch]", "sglang", "nvidia-ml-py"],
-    "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff"],
+    # transformers: tiny reference models for the actor tests (built locally, no downloads).
+    "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff", "transformers"],
 }
 
 setup(

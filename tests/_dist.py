@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -22,7 +23,9 @@ def _worker(rank, world_size, port, fn, args, queue):
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
-        queue.put((rank, fn(rank, world_size, *args), None))
+        # Plain pickle bytes: tensors sent through the queue as-is would travel as shared
+        # memory handles that die with this process before the parent reads them.
+        queue.put((rank, pickle.dumps(fn(rank, world_size, *args)), None))
     except BaseException:  # report, so the parent fails with the child's traceback
         queue.put((rank, None, traceback.format_exc()))
     finally:
@@ -51,4 +54,4 @@ def run_gloo(fn, world_size: int = 2, *args) -> list:
     errors = [err for _, _, err in results if err]
     if errors:
         raise AssertionError("a gloo rank failed:\n" + "\n".join(errors))
-    return [value for _, value, _ in sorted(results, key=lambda r: r[0])]
+    return [pickle.loads(value) for _, value, _ in sorted(results, key=lambda r: r[0])]

@@ -1,0 +1,168 @@
+"""The megatron-core actor on CPU: HF parity, THD packing, TP/PP/DP training parity."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_gloo
+from _tiny_model import tiny_qwen2
+
+from areal_mcore.algo import ppo_actor_loss
+from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig, ParallelConfig
+from areal_mcore.packing import pack
+
+VOCAB = 250
+LENGTHS = [7, 12, 5, 9, 11, 3, 8, 10]  # two minibatches of four sequences
+
+
+def _seqs(lengths=LENGTHS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def _train_fields(seqs, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "loss_mask": [torch.arange(len(s)) >= 2 for s in seqs],
+        "prox": [-torch.rand(len(s), generator=g) * 6 for s in seqs],
+        "adv": [torch.randn(len(s), generator=g) for s in seqs],
+    }
+
+
+def _ppo_loss(logp, mb, tokens):
+    f = mb.fields
+    return ppo_actor_loss(logp, f["prox"], f["adv"], f["loss_mask"], num_global_tokens=tokens,
+                          eps_clip=0.2)
+
+
+def _actor(tp=1, pp=1, cap=4096, tie=False):
+    from areal_mcore.actor import MegatronActor
+
+    hf_config, state, _ = tiny_qwen2(tie=tie, vocab=VOCAB)
+    cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=cap),
+                      optimizer=OptimizerConfig(lr=1e-3, eps=1e-5, weight_decay=0.01),  # boba eps
+                      parallel=ParallelConfig(tp=tp, pp=pp), vocab_divisible_by=8)
+    actor = MegatronActor(cfg, hf_config, total_optimizer_steps=2)
+    actor.load_hf_state_dict(state)
+    return actor
+
+
+def _hf_reference(seqs, tie=False):
+    _, _, hf = tiny_qwen2(tie=tie, vocab=VOCAB)
+    logits, logps = [], []
+    with torch.no_grad():
+        for s in seqs:
+            lg = hf(s[None]).logits[0]
+            logits.append(lg)
+            lp = torch.zeros(len(s))
+            lp[1:] = lg[:-1].log_softmax(-1).gather(1, s[1:, None]).squeeze(1)
+            logps.append(lp)
+    return torch.cat(logits), torch.cat(logps)
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _logits_worker(rank, world, tp, tie):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    actor = _actor(tp=tp, tie=tie)
+    batch = pack(_seqs())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens,
+                             cu_seqlens_kv=batch.cu_seqlens, max_seqlen_q=batch.max_seqlen,
+                             max_seqlen_kv=batch.max_seqlen)
+    with torch.no_grad():
+        packed = actor.model.module(batch.input_ids[None], batch.position_ids[None],
+                                    attention_mask=None, packed_seq_params=params)[0]
+        separate = torch.cat([actor.model.module(s[None], torch.arange(len(s))[None],
+                                                 attention_mask=None)[0] for s in _seqs()])
+    gathered = [torch.empty_like(packed) for _ in range(tp)]
+    dist.all_gather(gathered, packed.contiguous(), group=actor.groups.tp)
+    return torch.cat(gathered, -1)[:, :VOCAB], packed, separate, actor.compute_logprobs(batch)
+
+
+def _train_worker(rank, world, tp, pp):
+    actor = _actor(tp=tp, pp=pp, cap=16)
+    seqs = _seqs()
+    g = actor.groups
+    # DP rank r holds half of each minibatch, so the union of a minibatch over the DP
+    # ranks is the single-process minibatch.
+    n = len(seqs) // 2
+    mine = [i for mb in (range(n), range(n, 2 * n)) for i in list(mb)[g.dp_rank::g.dp_size]]
+    sub = [seqs[i] for i in mine]
+    fields = {k: [v[i] for i in mine] for k, v in _train_fields(seqs).items()}
+    out = actor.train_batch(pack(sub, fields), _ppo_loss, n_minibatches=2)
+    hf = actor.hf_state_dict()  # collective over TP: every rank calls it
+    return out["loss"], out["n_micro_batches"], hf if g.tp_rank == 0 and g.dp_rank == 0 else {}
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def forward_tp1():
+    return run_gloo(_logits_worker, 1, 1, False)[0]
+
+
+@pytest.fixture(scope="module")
+def forward_tp2():
+    return run_gloo(_logits_worker, 2, 2, False)[0]
+
+
+@pytest.mark.parametrize("results", ["forward_tp1", "forward_tp2"])
+def test_megatron_logits_equal_transformers_logits(results, request):
+    logits, _, _, _ = request.getfixturevalue(results)
+    ref_logits, _ = _hf_reference(_seqs())
+    assert (logits - ref_logits).abs().max() <= 1e-4
+
+
+def test_packed_thd_forward_equals_separate_forwards(forward_tp1):
+    _, packed, separate, _ = forward_tp1
+    assert (packed - separate).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("results", ["forward_tp1", "forward_tp2"])
+def test_compute_logprobs_equals_transformers_log_softmax(results, request):
+    *_, logp = request.getfixturevalue(results)
+    _, ref = _hf_reference(_seqs())
+    assert (logp - ref).abs().max() <= 1e-5
+
+
+def test_compute_logprobs_with_tied_embeddings():
+    *_, logp = run_gloo(_logits_worker, 1, 1, True)[0]
+    _, ref = _hf_reference(_seqs(), tie=True)
+    assert (logp - ref).abs().max() <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference_step():
+    return run_gloo(_train_worker, 1, 1, 1)[0]
+
+
+def _merge_stages(results):
+    merged = {}
+    for _, _, hf in results:
+        merged.update(hf)
+    return merged
+
+
+def _assert_same_step(results, reference):
+    loss, n_mbs, ref_hf = reference
+    assert all(n > 1 for n in n_mbs), "the reference must run several micro-batches"
+    for rank_loss, rank_mbs, _ in results:
+        assert rank_loss == pytest.approx(loss, rel=1e-5)
+        assert all(n > 1 for n in rank_mbs)
+    hf = _merge_stages(results)
+    assert set(hf) == set(ref_hf)
+    for name, ref in ref_hf.items():
+        rel = (hf[name] - ref).abs().max() / ref.abs().max()
+        assert rel <= 1e-5, f"{name}: relative difference {rel:.2e}"
+
+
+@pytest.mark.slow
+def test_train_step_tp2_pp2_equals_single_process(reference_step):
+    _assert_same_step(run_gloo(_train_worker, 4, 2, 2), reference_step)
+
+
+@pytest.mark.slow
+def test_train_step_dp2_equals_single_process(reference_step):
+    _assert_same_step(run_gloo(_train_worker, 2, 1, 1), reference_step)
