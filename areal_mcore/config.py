@@ -167,6 +167,7 @@ class ParallelConfig:
 
 
 DTYPES = ("float32", "bfloat16")
+LAYER_SPECS = ("auto", "local", "te")
 
 
 @dataclass(kw_only=True)
@@ -181,9 +182,12 @@ class ActorConfig:
     recompute: bool = False
     # Padded vocab = multiple of this x TP (megatron's make-vocab-size-divisible-by).
     vocab_divisible_by: int = 128
+    # "auto": TransformerEngine's spec when TE imports with CUDA, else the local spec.
+    layer_spec: str = "auto"
 
     def __post_init__(self):
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("layer_spec", self.layer_spec, LAYER_SPECS)
         _check_positive("vocab_divisible_by", self.vocab_divisible_by)
 
 

@@ -52,10 +52,14 @@ class MegatronActor:
         self.device = torch.device("cuda", torch.cuda.current_device()) if found.cuda else torch.device("cpu")
         self.padded_vocab = padded_vocab_size(self.args.vocab_size, g.tp_size, cfg.vocab_divisible_by)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        use_te = {"auto": found.transformer_engine, "local": False, "te": True}[cfg.layer_spec]
+        if use_te and not found.transformer_engine:
+            raise ValueError("actor.layer_spec=te needs TransformerEngine with CUDA; use auto or local")
         self.config = transformer_config(self.args, tp_size=g.tp_size, pp_size=g.pp_size,
-                                         params_dtype=dtype, recompute=cfg.recompute, on_gpu=found.cuda)
+                                         params_dtype=dtype, recompute=cfg.recompute,
+                                         on_gpu=found.cuda, fused=use_te)
         model = build_gpt_model(self.args, self.config, padded_vocab=self.padded_vocab,
-                                use_te=found.transformer_engine, pre_process=g.is_first_stage,
+                                use_te=use_te, pre_process=g.is_first_stage,
                                 post_process=g.is_last_stage, pg_collection=g.collection)
         model.to(self.device)
         self.model = DistributedDataParallel(

@@ -83,11 +83,12 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) ->
 
 
 def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dtype: torch.dtype,
-                       recompute: bool = False, on_gpu: bool = False) -> TransformerConfig:
+                       recompute: bool = False, on_gpu: bool = False, fused: bool = False) -> TransformerConfig:
     """The megatron config for ``args`` under the given parallelism.
 
     ``recompute`` turns on full-layer activation recomputation (long contexts trade a
-    second forward for memory). The fusions are CUDA kernels, off on CPU.
+    second forward for memory). ``fused`` turns on megatron's fused kernels, which need
+    TransformerEngine/apex on a GPU.
     """
     if args.num_layers % pp_size:
         raise ValueError(f"num_hidden_layers={args.num_layers} must be divisible by pp={pp_size}")
@@ -123,11 +124,11 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
         # megatron's validation asks for this with variable_seq_lengths even without MoE.
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=not on_gpu,
-        bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        bias_dropout_fusion=fused,
+        masked_softmax_fusion=fused,
         gradient_accumulation_fusion=False,
-        persist_layer_norm=on_gpu,
-        apply_rope_fusion=on_gpu,
+        persist_layer_norm=fused,
+        apply_rope_fusion=fused,
         **recompute_kw,
     )
 
