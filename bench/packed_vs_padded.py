@@ -85,7 +85,8 @@ def main(n_seqs: int = 96, max_len: int = 2048, cap: int = 4096, repeats: int = 
 
     from areal_mcore.actor.parallel import init_parallel
     from areal_mcore.config import ParallelConfig
-    from areal_mcore.model.hf_config import ModelArgs, build_gpt_model, transformer_config
+    from areal_mcore.model.args import ModelArgs
+    from areal_mcore.model.hf_config import build_gpt_model, transformer_config
 
     torch.manual_seed(0)
     init_parallel(ParallelConfig(), seed=1)

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from _dist import run_gloo
 from _tiny_model import tiny_qwen2
 
-from areal_mcore.algo import ppo_actor_loss
+from areal_mcore.algo import ppo_actor_loss, reduce_ppo_stats
 from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig, ParallelConfig
 from areal_mcore.packing import pack
 
@@ -34,13 +34,13 @@ def _ppo_loss(logp, mb, tokens):
                           eps_clip=0.2)
 
 
-def _actor(tp=1, pp=1, cap=4096, tie=False):
+def _actor(tp=1, pp=1, cap=4096, tie=False, recompute=False):
     from areal_mcore.actor import MegatronActor
 
     hf_config, state, _ = tiny_qwen2(tie=tie, vocab=VOCAB)
     cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=cap),
                       optimizer=OptimizerConfig(lr=1e-3, eps=1e-5, weight_decay=0.01),  # boba eps
-                      parallel=ParallelConfig(tp=tp, pp=pp), vocab_divisible_by=8)
+                      parallel=ParallelConfig(tp=tp, pp=pp), vocab_divisible_by=8, recompute=recompute)
     actor = MegatronActor(cfg, hf_config, total_optimizer_steps=2)
     actor.load_hf_state_dict(state)
     return actor
@@ -80,8 +80,8 @@ def _logits_worker(rank, world, tp, tie):
     return torch.cat(gathered, -1)[:, :VOCAB], packed, separate, actor.compute_logprobs(batch)
 
 
-def _train_worker(rank, world, tp, pp):
-    actor = _actor(tp=tp, pp=pp, cap=16)
+def _train_worker(rank, world, tp, pp, recompute=False):
+    actor = _actor(tp=tp, pp=pp, cap=16, recompute=recompute)
     seqs = _seqs()
     g = actor.groups
     # DP rank r holds half of each minibatch, so the union of a minibatch over the DP
@@ -90,7 +90,10 @@ def _train_worker(rank, world, tp, pp):
     mine = [i for mb in (range(n), range(n, 2 * n)) for i in list(mb)[g.dp_rank::g.dp_size]]
     sub = [seqs[i] for i in mine]
     fields = {k: [v[i] for i in mine] for k, v in _train_fields(seqs).items()}
-    out = actor.train_batch(pack(sub, fields), _ppo_loss, n_minibatches=2)
+    out = actor.train_batch(pack(sub, fields), _ppo_loss, n_minibatches=2,
+                            reduce_stats=reduce_ppo_stats)
+    if g.is_last_stage:
+        assert 0.0 <= out["stats"]["clip_ratio"] <= 1.0 and out["stats"]["loss_tokens"] > 0
     hf = actor.hf_state_dict()  # collective over TP: every rank calls it
     return out["loss"], out["n_micro_batches"], hf if g.tp_rank == 0 and g.dp_rank == 0 else {}
 
@@ -166,3 +169,8 @@ def test_train_step_tp2_pp2_equals_single_process(reference_step):
 @pytest.mark.slow
 def test_train_step_dp2_equals_single_process(reference_step):
     _assert_same_step(run_gloo(_train_worker, 2, 1, 1), reference_step)
+
+
+@pytest.mark.slow
+def test_train_step_with_activation_recompute_equals_without(reference_step):
+    _assert_same_step(run_gloo(_train_worker, 1, 1, 1, True), reference_step)

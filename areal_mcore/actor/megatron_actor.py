@@ -29,12 +29,8 @@ from areal_mcore.actor.logprobs import token_logprobs
 from areal_mcore.actor.parallel import ParallelGroups, init_parallel
 from areal_mcore.config import ActorConfig
 from areal_mcore.model import adapter
-from areal_mcore.model.hf_config import (
-    ModelArgs,
-    build_gpt_model,
-    padded_vocab_size,
-    transformer_config,
-)
+from areal_mcore.model.args import ModelArgs, padded_vocab_size
+from areal_mcore.model.hf_config import build_gpt_model, transformer_config
 from areal_mcore.packing import PackedBatch, allocate_micro_batches, allocate_micro_batches_synced
 
 LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict]]
@@ -180,13 +176,19 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ train
 
-    def train_batch(self, batch: PackedBatch, loss_fn: LossFn, n_minibatches: int = 1) -> dict:
+    def train_batch(self, batch: PackedBatch, loss_fn: LossFn, n_minibatches: int = 1,
+                    reduce_stats: Callable[[list[dict], dist.ProcessGroup], dict] | None = None) -> dict:
         """One optimizer step per minibatch (contiguous slices of the sequences).
 
         Returns per-minibatch ``loss`` (the exact token mean over all DP ranks),
-        ``grad_norm``, ``n_micro_batches``, plus ``tokens``, ``time_s`` and the loss
-        function's ``micro_stats`` (last pipeline stage; reduce them with the DP group).
+        ``grad_norm``, ``n_micro_batches``, plus ``tokens``, ``time_s``, the loss
+        function's per-micro-batch ``micro_stats`` (last pipeline stage only) and, with
+        ``reduce_stats`` (e.g. ``algo.reduce_ppo_stats``), ``stats`` reduced over the DP
+        group on the last stage (clip ratio, KL, ...).
         """
+        if "loss_mask" not in batch.fields:
+            raise ValueError("train_batch needs a 'loss_mask' field in the packed batch "
+                             "(1 on the tokens the loss counts, e.g. the response)")
         g = self.groups
         t0 = time.perf_counter()
         self.model.train()
@@ -226,6 +228,8 @@ class MegatronActor:
             result["loss"].append(float(loss))
             result["grad_norm"].append(float(grad_norm) if grad_norm is not None else float("nan"))
             result["n_micro_batches"].append(n_mb)
+        if reduce_stats is not None and g.is_last_stage:
+            result["stats"] = reduce_stats(result["micro_stats"], g.dp)
         result["tokens"] = int(batch.input_ids.numel())
         result["time_s"] = time.perf_counter() - t0
         return result

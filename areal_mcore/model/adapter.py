@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from areal_mcore.model.hf_config import ModelArgs
+from areal_mcore.model.args import ModelArgs
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,6 @@
-"""HF Qwen2 / LLaMA config -> megatron ``TransformerConfig``, layer spec and ``GPTModel``.
-
-R1-Distill-Qwen models are Qwen2: GQA, SwiGLU, RMSNorm, RoPE, bias on q/k/v only. LLaMA
-is the same without the qkv bias (``attention_bias``). Anything the mapping cannot
-represent (RoPE scaling, sliding windows, other architectures) is an error, not a
-silently different model.
-"""
+"""``ModelArgs`` -> megatron ``TransformerConfig``, layer spec and ``GPTModel``."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,66 +12,8 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from areal_mcore.model.args import ModelArgs
 from areal_mcore.model.attention import CPUCoreAttention
-
-SUPPORTED = ("qwen2", "llama")
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    """The architecture, read once from an HF config and validated."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    qkv_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-
-    @classmethod
-    def from_hf(cls, hf) -> ModelArgs:
-        """From a ``transformers`` config object (or anything with its attributes)."""
-        if hf.model_type not in SUPPORTED:
-            raise ValueError(f"model_type={hf.model_type!r} is not supported; use one of {list(SUPPORTED)}")
-        rope_scaling = getattr(hf, "rope_scaling", None)
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"rope_scaling={rope_scaling} is not supported (only plain RoPE)")
-        if getattr(hf, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=true is not supported; set it to false")
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported (only silu/SwiGLU)")
-        heads = hf.num_attention_heads
-        rope_theta = getattr(hf, "rope_theta", None)
-        if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
-            rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        return cls(
-            model_type=hf.model_type,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-            ffn_hidden_size=hf.intermediate_size,
-            rms_norm_eps=hf.rms_norm_eps,
-            rope_theta=float(rope_theta),
-            qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            max_position_embeddings=hf.max_position_embeddings,
-        )
-
-
-def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
-    """Vocab rounded up so every TP rank holds an equal, aligned slice (megatron's rule)."""
-    multiple = divisible_by * tp_size
-    return -(-vocab_size // multiple) * multiple
 
 
 def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dtype: torch.dtype,

@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from areal_mcore.model import adapter
+from areal_mcore.model.args import ModelArgs, padded_vocab_size
+
+
+def _hf_model(kind: str, tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[kind]
+    config = cls(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                 tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    state = {k: v for k, v in model_cls(config).state_dict().items() if "rotary" not in k}
+    if tie:
+        state.pop("lm_head.weight", None)
+    return ModelArgs.from_hf(config), state
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (4, 2), (1, 4)])
+def test_from_hf_then_to_hf_round_trips_exactly(kind, tie, tp, pp):
+    args, state = _hf_model(kind, tie)
+    vocab = padded_vocab_size(args.vocab_size, tp, divisible_by=8)
+    back = {}
+    for stage in range(pp):
+        shards = [adapter.from_hf(state, args, tp_rank=r, tp_size=tp, pp_rank=stage, pp_size=pp,
+                                  padded_vocab=vocab) for r in range(tp)]
+        for name, t in shards[0].items():  # shards are equal-sized slices
+            assert all(s[name].shape == t.shape for s in shards)
+        back.update(adapter.to_hf(shards, args, pp_rank=stage, pp_size=pp))
+    assert set(back) == set(state)
+    for name, t in state.items():
+        assert torch.equal(back[name], t), name
+
+
+def test_qkv_shard_holds_whole_kv_groups_in_megatron_order():
+    args, state = _hf_model("qwen2", False)  # 8 heads, 4 kv groups, head_dim 4
+    shard = adapter.from_hf(state, args, tp_rank=1, tp_size=2, pp_rank=0, pp_size=1, padded_vocab=64)
+    qkv = shard["decoder.layers.0.self_attention.linear_qkv.weight"]
+    q, k, v = (state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    d, per_group = 4, 2 * 4
+    group2 = torch.cat([q[2 * per_group: 3 * per_group], k[2 * d: 3 * d], v[2 * d: 3 * d]])
+    assert torch.equal(qkv[: group2.shape[0]], group2)  # rank 1 starts with kv group 2
+
+
+def test_gate_up_shard_is_gate_slice_then_up_slice():
+    args, state = _hf_model("llama", False)
+    shard = adapter.from_hf(state, args, tp_rank=1, tp_size=2, pp_rank=0, pp_size=1, padded_vocab=64)
+    fc1 = shard["decoder.layers.0.mlp.linear_fc1.weight"]
+    gate, up = state["model.layers.0.mlp.gate_proj.weight"], state["model.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(fc1, torch.cat([gate[24:], up[24:]]))
+
+
+def test_vocab_rows_are_padded_with_zeros_and_stages_own_their_layers():
+    args, state = _hf_model("qwen2", False)
+    last = adapter.from_hf(state, args, tp_rank=0, tp_size=1, pp_rank=1, pp_size=2, padded_vocab=64)
+    assert "embedding.word_embeddings.weight" not in last
+    assert last["output_layer.weight"].shape[0] == 64
+    assert last["output_layer.weight"][50:].abs().sum() == 0
+    assert torch.equal(last["decoder.layers.0.input_layernorm.weight"],
+                       state["model.layers.2.input_layernorm.weight"])
+
+
+def test_missing_hf_weight_is_named():
+    args, state = _hf_model("qwen2", False)
+    del state["model.layers.3.mlp.up_proj.weight"]
+    with pytest.raises(KeyError, match="model.layers.3.mlp.up_proj.weight"):
+        adapter.from_hf(state, args, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, padded_vocab=64)
+
+
+def test_model_args_reject_what_the_mapping_cannot_represent():
+    from transformers import LlamaConfig, Qwen2Config
+
+    with pytest.raises(ValueError, match="rope_scaling"):
+        ModelArgs.from_hf(LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 8192}))
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelArgs.from_hf(Qwen2Config(use_sliding_window=True))
+    gpt2 = type("Cfg", (), {"model_type": "gpt2"})()
+    with pytest.raises(ValueError, match="model_type='gpt2'"):
+        ModelArgs.from_hf(gpt2)
+
+
+def test_model_args_read_qwen2_fields():
+    from transformers import Qwen2Config
+
+    args = ModelArgs.from_hf(Qwen2Config(vocab_size=151936, hidden_size=3584, num_attention_heads=28,
+                                         num_key_value_heads=4, rope_theta=1e6, rms_norm_eps=1e-6))
+    assert (args.head_dim, args.num_kv_heads, args.rope_theta, args.qkv_bias) == (128, 4, 1e6, True)
+    assert padded_vocab_size(151936, 4) == 152064
