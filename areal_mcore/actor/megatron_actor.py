@@ -116,6 +116,48 @@ class MegatronActor:
                 shards[r][name] = parts[r].cpu()
         return adapter.to_hf(shards, self.args, pp_rank=g.pp_rank, pp_size=g.pp_size)
 
+    # ------------------------------------------------------------------ checkpoint state
+
+    def sharded_state_dict(self, for_loading: bool = False) -> dict:
+        """Model + optimizer state for ``megatron.core.dist_checkpointing`` (DP-reshardable)."""
+        self._fill_empty_optimizer_state()
+        model = self.model.module.sharded_state_dict()
+        optimizer = self.optimizer.sharded_state_dict(
+            model, is_loading=for_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+        )
+        return {"model": model, "optimizer": optimizer}
+
+    @torch.no_grad()
+    def load_sharded_state(self, state: dict) -> None:
+        """Loads what ``dist_checkpointing.load(self.sharded_state_dict(True), dir)`` returned."""
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        # The distributed optimizer restores one shared step per param group, but torch's
+        # Adam (the fallback without apex/TE) counts steps per parameter: copy it back.
+        for opt in self._torch_optimizers():
+            for group in opt.param_groups:
+                if "step" in group:
+                    for p in group["params"]:
+                        opt.state[p]["step"] = torch.tensor(float(group["step"]))
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The inner torch Adam(W) optimizers (the fallback when apex/TE are absent)."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [o.optimizer for o in chained if isinstance(o.optimizer, torch.optim.Adam | torch.optim.AdamW)]
+
+    def _fill_empty_optimizer_state(self) -> None:
+        # DistributedOptimizer.state_dict() (without apex/TE) asserts that torch Adam's
+        # per-parameter states share one 'step'; an optimizer that has not stepped yet has
+        # no state at all. Zero moments at step 0 are exactly what Adam would create, so
+        # they are filled in before saving (e.g. right after an HF import) and before
+        # building a load template (the load overwrites them).
+        for opt in self._torch_optimizers():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if not opt.state.get(p):
+                        opt.state[p] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p),
+                                        "exp_avg_sq": torch.zeros_like(p)}
+
     # ------------------------------------------------------------------ forward
 
     def _forward_step(self, loss_func, data_iterator: Iterator[PackedBatch], model):

@@ -1,0 +1,226 @@
+"""Training checkpoints: atomic, sharded, exactly resumable.
+
+Layout under ``root``::
+
+    latest                      name of the newest complete checkpoint
+    step_00000042/
+      manifest.json             step, weight version, layout, versions, model args, config
+      model/                    megatron dist_checkpointing: model + distributed optimizer
+      trainer_state.pt          LR scheduler, step, weight version, caller's extra state
+      rng/rank_00003.pt         per-rank RNG: python, numpy, torch, megatron tracker
+
+A checkpoint is written into a hidden temporary folder, fsynced, and renamed into place
+before ``latest`` is replaced (also by rename), so a crash mid-save leaves the previous
+checkpoint and pointer untouched. Resuming with another data-parallel size works (the
+optimizer state is saved DP-reshardable); another TP/PP layout is rejected with a
+message pointing at the HF conversion tools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import megatron.core
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from areal_mcore.actor import MegatronActor
+
+FORMAT = "areal-mcore-ckpt-v1"
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    root: str
+    keep_last: int = 2
+
+    def __post_init__(self):
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last={self.keep_last} must be >= 1")
+
+
+@dataclass
+class ResumeState:
+    path: Path
+    step: int
+    weight_version: int
+    extra: dict
+
+
+class Checkpointer:
+    """Saves and restores a ``MegatronActor`` plus trainer state; every rank calls both.
+
+    ``group`` spans all trainer ranks (barriers and the shared folder name go over it).
+    """
+
+    def __init__(self, cfg: CheckpointConfig, group: dist.ProcessGroup):
+        self.cfg = cfg
+        self.root = Path(cfg.root)
+        self.group = group
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, actor: MegatronActor, *, step: int, weight_version: int, extra: dict | None = None,
+             config_snapshot: dict | None = None) -> Path:
+        """Writes checkpoint ``step``; returns its folder once it is complete everywhere."""
+        rank = dist.get_rank()
+        name = f"step_{step:08d}"
+        tmp = self.root / f".{name}.tmp"
+        if rank == 0:
+            for stale in self.root.glob(".step_*.tmp"):  # left by a crashed save
+                shutil.rmtree(stale)
+            (tmp / "model").mkdir(parents=True)
+            (tmp / "rng").mkdir()
+        dist.barrier(group=self.group)
+        dist_checkpointing.save(actor.sharded_state_dict(), str(tmp / "model"))
+        _save_file(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        if rank == 0:
+            g = actor.groups
+            _save_file({"step": step, "weight_version": weight_version,
+                        "scheduler": actor.scheduler.state_dict(), "extra": extra or {}},
+                       tmp / "trainer_state.pt")
+            manifest = {
+                "format": FORMAT, "step": step, "weight_version": weight_version,
+                "layout": {"tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size,
+                           "world": dist.get_world_size(self.group)},
+                "versions": {"torch": torch.__version__, "megatron_core": megatron.core.__version__},
+                "model_args": dataclasses.asdict(actor.args),
+                "config": config_snapshot or {},
+            }
+            _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
+        dist.barrier(group=self.group)
+        final = self.root / name
+        if rank == 0:
+            _fsync_tree(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_text(self.root / "latest", name)
+            _fsync_dir(self.root)
+            self._prune(keep=final)
+        dist.barrier(group=self.group)
+        return final
+
+    def _prune(self, keep: Path) -> None:
+        done = sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        for old in done[: -self.cfg.keep_last]:
+            if old != keep:
+                shutil.rmtree(old)
+
+    # ------------------------------------------------------------------ load
+
+    def latest(self) -> Path | None:
+        pointer = self.root / "latest"
+        if not pointer.exists():
+            return None
+        path = self.root / pointer.read_text().strip()
+        if not (path / "manifest.json").exists():
+            raise FileNotFoundError(f"{pointer} names {path.name}, which is missing or incomplete")
+        return path
+
+    def load(self, actor: MegatronActor, path: Path | None = None) -> ResumeState | None:
+        """Restores ``actor`` from ``path`` (default: latest); None if there is none."""
+        path = path or self.latest()
+        if path is None:
+            return None
+        manifest = json.loads((Path(path) / "manifest.json").read_text())
+        _check_compatible(manifest, actor, path)
+        state = dist_checkpointing.load(actor.sharded_state_dict(for_loading=True), str(path / "model"))
+        actor.load_sharded_state(state)
+        trainer = torch.load(path / "trainer_state.pt", weights_only=False)
+        actor.scheduler.load_state_dict(trainer["scheduler"])
+        rng = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
+        if manifest["layout"]["world"] == dist.get_world_size(self.group) and rng.exists():
+            _set_rng_state(torch.load(rng, weights_only=False))
+        else:
+            warnings.warn(f"{path}: saved with another world size; RNG states are not restored",
+                          stacklevel=2)
+        dist.barrier(group=self.group)
+        return ResumeState(path=Path(path), step=trainer["step"], weight_version=trainer["weight_version"],
+                           extra=trainer["extra"])
+
+
+def _check_compatible(manifest: dict, actor: MegatronActor, path: Path) -> None:
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: not an {FORMAT} checkpoint (format={manifest.get('format')!r})")
+    saved, g = manifest["layout"], actor.groups
+    if (saved["tp"], saved["pp"]) != (g.tp_size, g.pp_size):
+        raise ValueError(
+            f"{path} was saved with tp={saved['tp']}, pp={saved['pp']}; this run has tp={g.tp_size}, "
+            f"pp={g.pp_size}. Resuming with another TP/PP layout is not supported: set "
+            f"actor.parallel.tp/pp to match, or export to HF and import at the new layout "
+            f"(tools/convert_ckpt). Another data-parallel size is fine."
+        )
+    ours = dataclasses.asdict(actor.args)
+    diff = {k: (v, ours.get(k)) for k, v in manifest["model_args"].items() if ours.get(k) != v}
+    if diff:
+        listed = ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(f"{path}: the model does not match the checkpoint ({listed})")
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def _rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _save_file(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Atomic replace: write a sibling, fsync, rename over."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))

@@ -1,0 +1,149 @@
+"""Exact resume, DP-size change, crash safety and compatibility checks of checkpoints."""
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_gloo
+from test_actor import _actor, _ppo_loss, _seqs, _train_fields
+
+from areal_mcore.packing import pack
+
+N_STEPS, SAVE_AT = 3, 1
+
+
+def _batch(step, dp_rank, dp_size):
+    """Step ``step``'s data (a stand-in for the data loader), this DP rank's share."""
+    seqs = _seqs(seed=100 + step)
+    fields = _train_fields(seqs, seed=200 + step)
+    mine = [i for mb in (range(4), range(4, 8)) for i in list(mb)[dp_rank::dp_size]]
+    return pack([seqs[i] for i in mine], {k: [v[i] for i in mine] for k, v in fields.items()})
+
+
+def _checkpointer(root):
+    from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
+
+    return Checkpointer(CheckpointConfig(root=root, keep_last=2), dist.group.WORLD)
+
+
+def _train_worker(rank, world, root, resume, save_at):
+    actor = _actor(cap=16)
+    ckpt = _checkpointer(root)
+    start = ckpt.load(actor).extra["data_position"] if resume else 0
+    g, losses = actor.groups, []
+    for step in range(start, N_STEPS):
+        losses += actor.train_batch(_batch(step, g.dp_rank, g.dp_size), _ppo_loss, 2)["loss"]
+        if save_at == step + 1:
+            ckpt.save(actor, step=step + 1, weight_version=step + 1,
+                      extra={"data_position": step + 1}, config_snapshot={"note": "test"})
+            break  # the process ends here, as if killed after the save
+    return losses, actor.hf_state_dict()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return run_gloo(_train_worker, 1, str(tmp_path_factory.mktemp("full")), False, None)[0]
+
+
+@pytest.mark.slow
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(uninterrupted, tmp_path):
+    first, _ = run_gloo(_train_worker, 1, str(tmp_path), False, SAVE_AT)[0]
+    rest, weights = run_gloo(_train_worker, 1, str(tmp_path), True, None)[0]
+    losses, ref_weights = uninterrupted
+    assert first + rest == losses  # bitwise: exact float equality
+    assert set(weights) == set(ref_weights)
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    assert (tmp_path / "latest").read_text() == f"step_{SAVE_AT:08d}"
+
+
+@pytest.mark.slow
+def test_resume_with_another_dp_size_is_close(uninterrupted, tmp_path):
+    results = run_gloo(_train_worker, 2, str(tmp_path), False, SAVE_AT)
+    assert results[0][0] == results[1][0]
+    rest, weights = run_gloo(_train_worker, 1, str(tmp_path), True, None)[0]
+    losses, ref_weights = uninterrupted
+    assert results[0][0] + rest == pytest.approx(losses, rel=1e-5)
+    for name, ref in ref_weights.items():
+        assert (weights[name] - ref).abs().max() / ref.abs().max() <= 1e-5, name
+
+
+def _crash_worker(rank, world, root):
+    import areal_mcore.trainer.checkpoint as ck
+
+    actor = _actor(cap=16)
+    ckpt = _checkpointer(root)
+    for step in (1, 2, 3):  # keep_last=2 prunes step 1
+        ckpt.save(actor, step=step, weight_version=step)
+    saved = actor.hf_state_dict()
+    actor.train_batch(_batch(0, 0, 1), _ppo_loss, 2)
+
+    def failing_save(obj, path):
+        raise OSError("disk full (simulated)")
+
+    ck._save_file, real = failing_save, ck._save_file
+    try:
+        ckpt.save(actor, step=4, weight_version=4)
+        raised = False
+    except OSError:
+        raised = True
+    ck._save_file = real
+    latest_after_crash = (Path(root) / "latest").read_text()
+    resumed = _actor(cap=16)
+    state = ckpt.load(resumed)
+    after = resumed.hf_state_dict()
+    same = all(torch.equal(after[k], saved[k]) for k in saved)
+    crashed_entries = sorted(p.name for p in Path(root).iterdir())
+    ckpt.save(actor, step=4, weight_version=4)  # the next save clears the crashed one
+    return (raised, latest_after_crash, state.step, crashed_entries, same,
+            sorted(p.name for p in Path(root).iterdir()))
+
+
+@pytest.mark.slow
+def test_crash_during_save_keeps_previous_checkpoint_and_latest(tmp_path):
+    raised, latest, step, entries, same, after = run_gloo(_crash_worker, 1, str(tmp_path))[0]
+    assert raised
+    assert latest == "step_00000003" and step == 3 and same
+    assert "step_00000001" not in entries and {"step_00000002", "step_00000003"} <= set(entries)
+    assert ".step_00000004.tmp" in entries  # the half-written save, never pointed at
+    assert after == ["latest", "step_00000003", "step_00000004"]
+
+
+# --------------------------------------------------------------------------- no processes
+
+
+def _fake_actor(tp=1, pp=1, **args_overrides):
+    from areal_mcore.model.args import ModelArgs
+
+    args = ModelArgs(model_type="qwen2", vocab_size=250, hidden_size=64, num_layers=4, num_heads=4,
+                     num_kv_heads=2, head_dim=16, ffn_hidden_size=96, rms_norm_eps=1e-6,
+                     rope_theta=1e4, qkv_bias=True, tie_word_embeddings=False,
+                     max_position_embeddings=256)
+    return SimpleNamespace(args=dataclasses.replace(args, **args_overrides),
+                           groups=SimpleNamespace(tp_size=tp, pp_size=pp))
+
+
+def _manifest(actor, tp=1, pp=1):
+    from areal_mcore.trainer.checkpoint import FORMAT
+
+    return {"format": FORMAT, "layout": {"tp": tp, "pp": pp, "dp": 1, "world": tp * pp},
+            "model_args": dataclasses.asdict(actor.args)}
+
+
+def test_other_tp_pp_layout_is_rejected_with_the_fix():
+    from areal_mcore.trainer.checkpoint import _check_compatible
+
+    with pytest.raises(ValueError, match=r"tp=2, pp=1; this run has tp=1, pp=2.*tools/convert_ckpt"):
+        _check_compatible(_manifest(_fake_actor(), tp=2, pp=1), _fake_actor(pp=2), Path("ck"))
+
+
+def test_model_mismatch_lists_every_differing_field():
+    from areal_mcore.trainer.checkpoint import _check_compatible
+
+    saved = _manifest(_fake_actor())
+    with pytest.raises(ValueError) as e:
+        _check_compatible(saved, _fake_actor(hidden_size=128, rope_theta=1e6), Path("ck"))
+    assert "hidden_size: checkpoint 64 vs model 128" in str(e.value)
+    assert "rope_theta: checkpoint 10000.0 vs model 1000000.0" in str(e.value)
