@@ -41,6 +41,7 @@ class MegatronActor:
 
     def __init__(self, cfg: ActorConfig, hf_config, *, seed: int = 1, total_optimizer_steps: int = 1):
         self.cfg = cfg
+        self.hf_config = hf_config
         self.args = ModelArgs.from_hf(hf_config)
         self.groups: ParallelGroups = init_parallel(cfg.parallel, seed)
         g = self.groups

@@ -8,6 +8,7 @@ silently different model.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 SUPPORTED = ("qwen2", "llama")
@@ -62,6 +63,13 @@ class ModelArgs:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_position_embeddings=hf.max_position_embeddings,
         )
+
+
+def args_mismatch(expected: ModelArgs, actual: ModelArgs, expected_name: str, actual_name: str) -> str | None:
+    """None when equal, else one line listing every differing field."""
+    a, b = dataclasses.asdict(expected), dataclasses.asdict(actual)
+    diff = [f"{k}: {expected_name} {a[k]!r} vs {actual_name} {b[k]!r}" for k in a if a[k] != b[k]]
+    return ", ".join(diff) or None
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:

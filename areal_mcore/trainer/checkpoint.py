@@ -35,6 +35,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from areal_mcore.actor import MegatronActor
+from areal_mcore.model.args import ModelArgs, args_mismatch
 
 FORMAT = "areal-mcore-ckpt-v1"
 
@@ -95,6 +96,7 @@ class Checkpointer:
                            "world": dist.get_world_size(self.group)},
                 "versions": {"torch": torch.__version__, "megatron_core": megatron.core.__version__},
                 "model_args": dataclasses.asdict(actor.args),
+                "hf_config": actor.hf_config.to_dict(),
                 "config": config_snapshot or {},
             }
             _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
@@ -161,11 +163,9 @@ def _check_compatible(manifest: dict, actor: MegatronActor, path: Path) -> None:
             f"actor.parallel.tp/pp to match, or export to HF and import at the new layout "
             f"(tools/convert_ckpt). Another data-parallel size is fine."
         )
-    ours = dataclasses.asdict(actor.args)
-    diff = {k: (v, ours.get(k)) for k, v in manifest["model_args"].items() if ours.get(k) != v}
+    diff = args_mismatch(ModelArgs(**manifest["model_args"]), actor.args, "checkpoint", "model")
     if diff:
-        listed = ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in diff.items())
-        raise ValueError(f"{path}: the model does not match the checkpoint ({listed})")
+        raise ValueError(f"{path}: the model does not match the checkpoint ({diff})")
 
 
 # --------------------------------------------------------------------------- RNG

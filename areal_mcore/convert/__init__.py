@@ -1,0 +1,1 @@
+"""Checkpoint conversion: megatron dist checkpoints (any TP/PP) <-> HF safetensors folders."""

@@ -1,0 +1,119 @@
+"""Reads the model weights of a training checkpoint one layer at a time, in HF names.
+
+``dist_checkpointing`` stores every weight as one global tensor (TP shards placed at
+their offsets, transformer layers stacked along a leading axis), so what is read here
+does not depend on the TP/PP layout that saved it. Requesting one layer's region reads
+only that layer's chunks, which keeps the peak memory near one layer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from areal_mcore.model import adapter
+from areal_mcore.model.args import ModelArgs
+
+# megatron saves the layer norms of the local spec under the TE spec's fused names
+# (TransformerLayer's sharded_state_dict_keys_map), so checkpoints of both specs agree.
+_NORM_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+              "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
+class _RegionPlanner(DefaultLoadPlanner):
+    """Loads a region (offsets, buffer shape) of each stored tensor into the given buffer.
+
+    torch's default planner only loads whole tensors; ``create_read_items_for_chunk_list``
+    maps a region onto the stored chunks, so only the overlapping chunks are read.
+    """
+
+    def __init__(self, offsets: dict[str, tuple[int, ...]]):
+        super().__init__()
+        self.offsets = offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, buffer in self.state_dict.items():
+            region = ChunkStorageMetadata(offsets=torch.Size(self.offsets[fqn]), sizes=buffer.shape)
+            items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [region])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index):
+        return self.state_dict[index.fqn]
+
+
+class McoreCheckpointReader:
+    """One checkpoint folder (``step_XXXXXXXX``) of ``trainer.checkpoint``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        manifest_path = self.path / "manifest.json"
+        if not manifest_path.exists():
+            raise FileNotFoundError(f"{manifest_path} not found: pass a checkpoint folder "
+                                    f"(step_XXXXXXXX), or the run's checkpoint root with a 'latest' file")
+        self.manifest = json.loads(manifest_path.read_text())
+        self.args = ModelArgs(**self.manifest["model_args"])
+        metadata = FileSystemReader(str(self.path / "model")).read_metadata()
+        self.stored = {k: v for k, v in metadata.state_dict_metadata.items()
+                       if isinstance(v, TensorStorageMetadata)}
+
+    @classmethod
+    def resolve(cls, path: str | Path) -> McoreCheckpointReader:
+        """Accepts a checkpoint folder or a checkpoint root with a ``latest`` pointer."""
+        path = Path(path)
+        if (path / "latest").exists():
+            path = path / (path / "latest").read_text().strip()
+        return cls(path)
+
+    @staticmethod
+    def _key(name: str) -> str:
+        """The stored key of a module parameter (layer index dropped: it is an axis)."""
+        m = re.fullmatch(r"decoder\.layers\.\d+\.(.*)", name)
+        if not m:
+            return name
+        rest = m.group(1)
+        for local, stored in _NORM_KEYS.items():
+            if rest.startswith(local):
+                rest = stored + rest[len(local):]
+        return "decoder.layers." + rest
+
+    def read_layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """HF tensors of one transformer layer (plus embedding / final norm / lm head at the ends).
+
+        Works as a pipeline of one stage per layer: stage ``layer`` of ``num_layers``.
+        """
+        L = self.args.num_layers
+        names = [n for _, n, _ in adapter._entries(self.args, layer, L)
+                 if not (n == "output_layer.weight" and self.args.tie_word_embeddings)]
+        buffers, offsets, keys = {}, {}, {}
+        for name in names:
+            key = self._key(name)
+            if key not in self.stored:
+                raise KeyError(f"{self.path}: checkpoint lacks {key!r} (needed for {name})")
+            meta = self.stored[key]
+            per_layer = name.startswith("decoder.layers.")
+            shape = (1, *meta.size[1:]) if per_layer else tuple(meta.size)
+            buffers[key] = torch.empty(shape, dtype=meta.properties.dtype)
+            offsets[key] = (layer,) + (0,) * (len(shape) - 1) if per_layer else (0,) * len(shape)
+            keys[name] = key
+        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(buffers, storage_reader=FileSystemReader(str(self.path / "model")),
+                     planner=_RegionPlanner(offsets), no_dist=True)
+        local = {name: buffers[key][0] if name.startswith("decoder.layers.") else buffers[key]
+                 for name, key in keys.items()}
+        return adapter.to_hf([local], self.args, pp_rank=layer, pp_size=L)
+
+    def iter_layers(self) -> Iterator[dict[str, torch.Tensor]]:
+        for layer in range(self.args.num_layers):
+            yield self.read_layer(layer)

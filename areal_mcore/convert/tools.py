@@ -1,0 +1,201 @@
+"""The two conversions behind ``tools/convert_ckpt`` and ``areal-mcore convert``.
+
+- ``mcore_to_hf``: a training checkpoint (any TP/PP) -> HF folder, streamed a layer at a
+  time (peak memory ≈ one layer + one safetensors shard), on CPU.
+- ``hf_to_mcore``: an HF folder -> a step-0 training checkpoint at a chosen TP/PP, written
+  by real megatron ranks so that a run at that layout resumes from it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from areal_mcore.convert.hf_writer import ShardedSafetensorsWriter, write_model_files
+from areal_mcore.convert.mcore_reader import McoreCheckpointReader
+from areal_mcore.model.args import ModelArgs, args_mismatch
+
+
+def _hf_config_from_dict(d: dict):
+    from transformers import AutoConfig
+
+    d = dict(d)
+    return AutoConfig.for_model(d.pop("model_type"), **d)
+
+
+def _load_hf_config(path: str | Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def mcore_to_hf(input: str | Path, output: str | Path, *, hf_config_dir: str | Path | None = None,
+                tokenizer_dir: str | Path | None = None, dtype: str | None = None,
+                shard_mb: int = 2048, verify: bool = False, progress: bool = True) -> dict:
+    """Exports a checkpoint folder (or a root with ``latest``) as an HF model folder.
+
+    Args:
+        hf_config_dir: an HF folder whose config.json must describe the same model (the
+            original base model, say); every differing field is reported before writing.
+            Default: the HF config stored in the checkpoint.
+        tokenizer_dir: where to copy tokenizer files and generation_config.json from
+            (default: ``hf_config_dir``).
+        dtype: "bfloat16"/"float16"/"float32" to cast to; default: as stored.
+        verify: reload the folder with transformers and compare logits with megatron's.
+
+    Returns:
+        The safetensors index (``weight_map`` names every tensor).
+    """
+    reader = McoreCheckpointReader.resolve(input)
+    if hf_config_dir is not None:
+        hf_config = _load_hf_config(hf_config_dir)
+    else:
+        hf_config = _hf_config_from_dict(reader.manifest["hf_config"])
+    diff = args_mismatch(reader.args, ModelArgs.from_hf(hf_config), "checkpoint", "HF config")
+    if diff:
+        raise ValueError(f"HF config does not match {reader.path} ({diff}); nothing was written")
+    out = Path(output)
+    writer = ShardedSafetensorsWriter(out, shard_mb << 20, getattr(torch, dtype) if dtype else None)
+    expected = {h for stage in range(reader.args.num_layers)
+                for h in _stage_hf_names(reader.args, stage)}
+    written = set()
+    for tensors in _progress(reader.iter_layers(), reader.args.num_layers, "layers", progress):
+        writer.add(tensors)
+        written |= set(tensors)
+    if written != expected:
+        raise KeyError(f"export produced {sorted(written ^ expected)[:8]} unexpectedly; nothing is complete")
+    index = writer.close()
+    write_model_files(out, hf_config, tokenizer_dir or hf_config_dir)
+    if verify:
+        verify_hf_folder(out, reader)
+    return index
+
+
+def _stage_hf_names(args: ModelArgs, stage: int) -> list[str]:
+    from areal_mcore.model import adapter
+
+    return [h for _, name, hf in adapter._entries(args, stage, args.num_layers)
+            if not (name == "output_layer.weight" and args.tie_word_embeddings) for h in hf]
+
+
+def _progress(iterable, total: int, unit: str, enabled: bool):
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, unit=unit)
+
+
+def verify_hf_folder(folder: str | Path, reader: McoreCheckpointReader, n_tokens: int = 16,
+                     atol: float = 1e-3) -> float:
+    """Max |logit difference| between transformers on ``folder`` and the megatron model
+    holding the checkpoint's weights, on random tokens; raises above ``atol``."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True,
+                                              dtype=torch.float32).eval()
+    tokens = torch.randint(0, reader.args.vocab_size, (1, n_tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(tokens).logits[0]
+    got = _megatron_logits(reader, tokens[0])
+    err = float((got - expected).abs().max())
+    if err > atol:
+        raise ValueError(f"--verify: logits differ by {err:.2e} (> {atol}) between megatron and the export")
+    return err
+
+
+def _megatron_logits(reader: McoreCheckpointReader, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of a single-process megatron model (TP = PP = 1) loaded with the weights."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from areal_mcore.actor.parallel import init_parallel
+    from areal_mcore.config import ParallelConfig
+    from areal_mcore.model import adapter
+    from areal_mcore.model.args import padded_vocab_size
+    from areal_mcore.model.hf_config import build_gpt_model, transformer_config
+
+    args = reader.args
+    own_group = not dist.is_initialized()
+    if own_group:  # megatron's layers want a process group: a world of one
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    init_parallel(ParallelConfig(), seed=1)
+    try:
+        vocab = padded_vocab_size(args.vocab_size, 1)
+        config = transformer_config(args, tp_size=1, pp_size=1, params_dtype=torch.float32)
+        model = build_gpt_model(args, config, padded_vocab=vocab, use_te=False, pre_process=True,
+                                post_process=True).eval()
+        hf = {}
+        for tensors in reader.iter_layers():
+            hf.update({k: v.float() for k, v in tensors.items()})
+        local = adapter.from_hf(hf, args, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, padded_vocab=vocab)
+        model.load_state_dict(local, strict=False)
+        with torch.no_grad():
+            logits = model(tokens[None], torch.arange(len(tokens))[None], attention_mask=None)
+        return logits[0, :, : args.vocab_size]
+    finally:
+        mpu.destroy_model_parallel()
+        if own_group:
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- HF -> mcore
+
+
+def hf_to_mcore(input: str | Path, output: str | Path, *, tp: int = 1, pp: int = 1,
+                dtype: str = "float32") -> Path:
+    """Writes a step-0 training checkpoint of the HF model at TP x PP (tp*pp CPU ranks)."""
+    import torch.multiprocessing as mp
+
+    _load_hf_config(input)  # fail early, in this process, on a bad folder
+    port = _free_port()
+    mp.start_processes(_hf_to_mcore_rank, args=(tp * pp, port, str(input), str(output), tp, pp, dtype),
+                       nprocs=tp * pp, start_method="spawn")
+    root = Path(output)
+    return root / (root / "latest").read_text().strip()
+
+
+def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, dtype):
+    import torch.distributed as dist
+
+    from areal_mcore.actor import MegatronActor
+    from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig, ParallelConfig
+    from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        hf_config = _load_hf_config(input)
+        cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=1), optimizer=OptimizerConfig(lr=1e-5),
+                          parallel=ParallelConfig(tp=tp, pp=pp), dtype=dtype)
+        actor = MegatronActor(cfg, hf_config)
+        actor.load_hf_state_dict(load_hf_state_dict(input))
+        Checkpointer(CheckpointConfig(root=output), dist.group.WORLD).save(
+            actor, step=0, weight_version=0, config_snapshot={"imported_from": str(input)})
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_hf_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF folder (sharded or single safetensors file)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    state = {}
+    for name in files:
+        if not (folder / name).exists():
+            raise FileNotFoundError(f"{folder / name} not found (listed by {index.name})")
+        state.update(load_file(str(folder / name)))
+    return state
