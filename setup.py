@@ -13,6 +13,8 @@ INSTALL_REQUIRES = [
     "omegaconf>=2.3",
     "numpy",
     "pyyaml",
+    "safetensors",
+    "tqdm",
 ]
 
 EXTRAS_REQUIRE = {
@@ -33,4 +35,5 @@ setup(
     package_dir={"areal_mcore.kernels": "kernels"},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
+    entry_points={"console_scripts": ["areal-mcore=areal_mcore.cli:main"]},
 )

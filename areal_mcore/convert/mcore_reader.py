@@ -93,8 +93,7 @@ class McoreCheckpointReader:
         Works as a pipeline of one stage per layer: stage ``layer`` of ``num_layers``.
         """
         L = self.args.num_layers
-        names = [n for _, n, _ in adapter._entries(self.args, layer, L)
-                 if not (n == "output_layer.weight" and self.args.tie_word_embeddings)]
+        names = [n for _, n, _ in adapter.stage_entries(self.args, layer, L, tied_copy=False)]
         buffers, offsets, keys = {}, {}, {}
         for name in names:
             key = self._key(name)
@@ -114,6 +113,18 @@ class McoreCheckpointReader:
                  for name, key in keys.items()}
         return adapter.to_hf([local], self.args, pp_rank=layer, pp_size=L)
 
+    def check_keys(self) -> None:
+        """Raises listing stored model tensors the export would not use, and missing ones."""
+        L = self.args.num_layers
+        needed = {self._key(n) for stage in range(L)
+                  for _, n, _ in adapter.stage_entries(self.args, stage, L, tied_copy=False)}
+        stored = {k for k in self.stored if not k.startswith("optimizer.")}
+        missing, extra = sorted(needed - stored), sorted(stored - needed)
+        if missing or extra:
+            raise KeyError(f"{self.path}: checkpoint lacks {missing[:10]} and has unexpected "
+                           f"tensors {extra[:10]}; is it from another architecture?")
+
     def iter_layers(self) -> Iterator[dict[str, torch.Tensor]]:
+        self.check_keys()
         for layer in range(self.args.num_layers):
             yield self.read_layer(layer)

@@ -17,6 +17,7 @@ import torch
 
 from areal_mcore.convert.hf_writer import ShardedSafetensorsWriter, write_model_files
 from areal_mcore.convert.mcore_reader import McoreCheckpointReader
+from areal_mcore.model import adapter
 from areal_mcore.model.args import ModelArgs, args_mismatch
 
 
@@ -35,7 +36,7 @@ def _load_hf_config(path: str | Path):
 
 def mcore_to_hf(input: str | Path, output: str | Path, *, hf_config_dir: str | Path | None = None,
                 tokenizer_dir: str | Path | None = None, dtype: str | None = None,
-                shard_mb: int = 2048, verify: bool = False, progress: bool = True) -> dict:
+                max_shard_bytes: int = 2 << 30, verify: bool = False, progress: bool = True) -> dict:
     """Exports a checkpoint folder (or a root with ``latest``) as an HF model folder.
 
     Args:
@@ -59,27 +60,17 @@ def mcore_to_hf(input: str | Path, output: str | Path, *, hf_config_dir: str | P
     if diff:
         raise ValueError(f"HF config does not match {reader.path} ({diff}); nothing was written")
     out = Path(output)
-    writer = ShardedSafetensorsWriter(out, shard_mb << 20, getattr(torch, dtype) if dtype else None)
-    expected = {h for stage in range(reader.args.num_layers)
-                for h in _stage_hf_names(reader.args, stage)}
-    written = set()
+    writer = ShardedSafetensorsWriter(out, max_shard_bytes, getattr(torch, dtype) if dtype else None)
+    written = []
     for tensors in _progress(reader.iter_layers(), reader.args.num_layers, "layers", progress):
         writer.add(tensors)
-        written |= set(tensors)
-    if written != expected:
-        raise KeyError(f"export produced {sorted(written ^ expected)[:8]} unexpectedly; nothing is complete")
+        written += tensors
+    adapter.check_hf_names(written, reader.args, f"export of {reader.path}")
     index = writer.close()
     write_model_files(out, hf_config, tokenizer_dir or hf_config_dir)
     if verify:
         verify_hf_folder(out, reader)
     return index
-
-
-def _stage_hf_names(args: ModelArgs, stage: int) -> list[str]:
-    from areal_mcore.model import adapter
-
-    return [h for _, name, hf in adapter._entries(args, stage, args.num_layers)
-            if not (name == "output_layer.weight" and args.tie_word_embeddings) for h in hf]
 
 
 def _progress(iterable, total: int, unit: str, enabled: bool):
@@ -115,7 +106,6 @@ def _megatron_logits(reader: McoreCheckpointReader, tokens: torch.Tensor) -> tor
 
     from areal_mcore.actor.parallel import init_parallel
     from areal_mcore.config import ParallelConfig
-    from areal_mcore.model import adapter
     from areal_mcore.model.args import padded_vocab_size
     from areal_mcore.model.hf_config import build_gpt_model, transformer_config
 
@@ -151,7 +141,10 @@ def hf_to_mcore(input: str | Path, output: str | Path, *, tp: int = 1, pp: int =
     """Writes a step-0 training checkpoint of the HF model at TP x PP (tp*pp CPU ranks)."""
     import torch.multiprocessing as mp
 
-    _load_hf_config(input)  # fail early, in this process, on a bad folder
+    # Fail early, in this process, on a bad folder: config, then every weight name.
+    args = ModelArgs.from_hf(_load_hf_config(input))
+    names = [n for n in hf_tensor_names(input) if not (args.tie_word_embeddings and n == "lm_head.weight")]
+    adapter.check_hf_names(names, args, str(input))
     port = _free_port()
     mp.start_processes(_hf_to_mcore_rank, args=(tp * pp, port, str(input), str(output), tp, pp, dtype),
                        nprocs=tp * pp, start_method="spawn")
@@ -173,7 +166,12 @@ def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, dtype):
         cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=1), optimizer=OptimizerConfig(lr=1e-5),
                           parallel=ParallelConfig(tp=tp, pp=pp), dtype=dtype)
         actor = MegatronActor(cfg, hf_config)
-        actor.load_hf_state_dict(load_hf_state_dict(input))
+        state = load_hf_state_dict(input)
+        # transformers drops the lm head of tied models from the files: ignore a stray one.
+        if actor.args.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        adapter.check_hf_names(state, actor.args, str(input))
+        actor.load_hf_state_dict(state)
         Checkpointer(CheckpointConfig(root=output), dist.group.WORLD).save(
             actor, step=0, weight_version=0, config_snapshot={"imported_from": str(input)})
     finally:
@@ -186,16 +184,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        names = ["model.safetensors"]
+    for name in names:
+        if not (folder / name).exists():
+            raise FileNotFoundError(f"{folder / name} not found (an HF folder has model.safetensors "
+                                    f"or model.safetensors.index.json and its shards)")
+    return [folder / n for n in names]
+
+
+def hf_tensor_names(folder: str | Path) -> list[str]:
+    """The tensor names of an HF folder, read from the file headers only."""
+    from safetensors import safe_open
+
+    names = []
+    for path in _safetensors_files(Path(folder)):
+        with safe_open(str(path), framework="pt") as f:
+            names += list(f.keys())
+    return names
+
+
 def load_hf_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF folder (sharded or single safetensors file)."""
     from safetensors.torch import load_file
 
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
     state = {}
-    for name in files:
-        if not (folder / name).exists():
-            raise FileNotFoundError(f"{folder / name} not found (listed by {index.name})")
-        state.update(load_file(str(folder / name)))
+    for path in _safetensors_files(Path(folder)):
+        state.update(load_file(str(path)))
     return state

@@ -121,8 +121,12 @@ def stage_layers(args: ModelArgs, pp_rank: int, pp_size: int) -> range:
     return range(pp_rank * per, (pp_rank + 1) * per)
 
 
-def _entries(args: ModelArgs, pp_rank: int, pp_size: int):
-    """(ParamMap, megatron name, HF names) for every weight on this stage."""
+def stage_entries(args: ModelArgs, pp_rank: int, pp_size: int, *, tied_copy: bool = True):
+    """(ParamMap, megatron name, HF names) for every weight on this stage.
+
+    ``tied_copy=False`` leaves out the last stage's copy of a tied embedding (it is a
+    module parameter but neither HF nor a checkpoint stores it separately).
+    """
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     for p in PARAMS:
         if not p.only_if(args):
@@ -136,18 +140,18 @@ def _entries(args: ModelArgs, pp_rank: int, pp_size: int):
             yield p, p.mcore, p.hf
     # A tied lm head lives in the first stage's embedding; megatron keeps a copy in the
     # last stage's output layer when the two are different stages.
-    if args.tie_word_embeddings and last and not first:
+    if tied_copy and args.tie_word_embeddings and last and not first:
         yield PARAMS[0], "output_layer.weight", PARAMS[0].hf
 
 
 def from_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, *, tp_rank: int, tp_size: int,
             pp_rank: int, pp_size: int, padded_vocab: int) -> dict[str, torch.Tensor]:
     """The megatron state dict of one (TP rank, PP stage) from a full HF state dict."""
-    missing = [h for _, _, hf in _entries(args, pp_rank, pp_size) for h in hf if h not in state_dict]
+    missing = [h for _, _, hf in stage_entries(args, pp_rank, pp_size) for h in hf if h not in state_dict]
     if missing:
         raise KeyError(f"HF checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
     out = {}
-    for p, name, hf_names in _entries(args, pp_rank, pp_size):
+    for p, name, hf_names in stage_entries(args, pp_rank, pp_size):
         shard, _ = _KINDS[p.kind]
         out[name] = shard([state_dict[h] for h in hf_names], args, tp_rank, tp_size, padded_vocab).contiguous()
     return out
@@ -157,9 +161,7 @@ def to_hf(shards: list[dict[str, torch.Tensor]], args: ModelArgs, *, pp_rank: in
           pp_size: int) -> dict[str, torch.Tensor]:
     """HF tensors of one PP stage from the megatron state dicts of all its TP ranks."""
     out = {}
-    for p, name, hf_names in _entries(args, pp_rank, pp_size):
-        if name == "output_layer.weight" and args.tie_word_embeddings:
-            continue  # the tied copy; the embedding already gave model.embed_tokens
+    for p, name, hf_names in stage_entries(args, pp_rank, pp_size, tied_copy=False):
         _, merge = _KINDS[p.kind]
         for h, t in zip(hf_names, merge([s[name] for s in shards], args), strict=True):
             out[h] = t.contiguous()
@@ -167,5 +169,14 @@ def to_hf(shards: list[dict[str, torch.Tensor]], args: ModelArgs, *, pp_rank: in
 
 
 def hf_names(args: ModelArgs) -> list[str]:
-    """Every HF weight name of the model, in layer order (weight sync plans use it)."""
-    return [h for _, _, hf in _entries(args, 0, 1) for h in hf]
+    """Every HF weight name of the model, in layer order."""
+    return [h for _, _, hf in stage_entries(args, 0, 1) for h in hf]
+
+
+def check_hf_names(names, args: ModelArgs, where: str) -> None:
+    """Raises listing every missing and every unexpected HF weight name."""
+    expected, present = set(hf_names(args)), set(names)
+    missing, extra = sorted(expected - present), sorted(present - expected)
+    if missing or extra:
+        raise KeyError(f"{where}: {len(missing)} missing weights {missing[:10]}, "
+                       f"{len(extra)} unexpected weights {extra[:10]}")

@@ -1,0 +1,83 @@
+"""``areal-mcore``: the command-line entry point (subcommands arrive with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+
+def parse_size(text: str) -> int:
+    """'2GB', '500MB', '64KiB' or a byte count -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 2GB, 500MB or 1048576")
+    number, unit, suffix = float(m.group(1)), m.group(2).upper(), (m.group(3) or "").lower()
+    base = 1024 if suffix == "ib" or not suffix else 1000
+    return int(number * base ** " KMGT".index(unit or " "))
+
+
+def add_convert_parsers(sub) -> None:
+    convert = sub.add_parser(
+        "convert", help="convert checkpoints between megatron (any TP/PP) and HF",
+        description="Convert training checkpoints to HF folders and back.")
+    kinds = convert.add_subparsers(dest="direction", required=True)
+
+    out = kinds.add_parser(
+        "mcore-to-hf", help="training checkpoint -> HF safetensors folder",
+        description="Export a training checkpoint (saved at any TP/PP) as an HF folder: "
+                    "config.json, sharded model-*.safetensors + index, generation config and "
+                    "tokenizer files. Streams one layer at a time; no GPU needed.")
+    out.add_argument("--input", required=True, help="checkpoint folder (step_XXXXXXXX) or a root with 'latest'")
+    out.add_argument("--output", required=True, help="HF folder to write")
+    out.add_argument("--hf-config", help="HF folder whose config.json must match the checkpoint "
+                                         "(default: the config stored in the checkpoint)")
+    out.add_argument("--tokenizer", help="folder to copy tokenizer files from (default: --hf-config)")
+    out.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast weights (default: as stored)")
+    out.add_argument("--max-shard-size", type=parse_size, default=parse_size("2GB"),
+                     help="largest safetensors shard, e.g. 2GB (default), 500MB")
+    out.add_argument("--verify", action="store_true",
+                     help="reload with transformers and compare logits with the megatron model")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    inp = kinds.add_parser(
+        "hf-to-mcore", help="HF folder -> step-0 training checkpoint at a TP/PP layout",
+        description="Import an HF Qwen2/LLaMA folder as a training checkpoint at the given "
+                    "TP x PP (written by tp*pp CPU ranks), to start a long run from it.")
+    inp.add_argument("--input", required=True, help="HF model folder")
+    inp.add_argument("--output", required=True, help="checkpoint root to write (gets 'latest')")
+    inp.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the run")
+    inp.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the run")
+    inp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+
+
+def run_convert(a) -> int:
+    from areal_mcore.convert.tools import hf_to_mcore, mcore_to_hf
+
+    if a.direction == "mcore-to-hf":
+        index = mcore_to_hf(a.input, a.output, hf_config_dir=a.hf_config, tokenizer_dir=a.tokenizer,
+                            dtype=a.dtype, max_shard_bytes=a.max_shard_size, verify=a.verify,
+                            progress=not a.no_progress)
+        files = len(set(index["weight_map"].values()))
+        print(f"wrote {len(index['weight_map'])} tensors in {files} shard(s) to {a.output}"
+              + (" (verified)" if a.verify else ""))
+    else:
+        path = hf_to_mcore(a.input, a.output, tp=a.tp, pp=a.pp, dtype=a.dtype)
+        print(f"wrote {path} (tp={a.tp}, pp={a.pp})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="areal-mcore", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_convert_parsers(sub)
+    a = parser.parse_args(argv)
+    try:
+        return {"convert": run_convert}[a.command](a)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"areal-mcore {a.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
