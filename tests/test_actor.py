@@ -80,7 +80,7 @@ def _logits_worker(rank, world, tp, tie):
     return torch.cat(gathered, -1)[:, :VOCAB], packed, separate, actor.compute_logprobs(batch)
 
 
-def _train_worker(rank, world, tp, pp, recompute=False):
+def _train_worker(rank, world, tp, pp, recompute=False, hf_dir=None):
     actor = _actor(tp=tp, pp=pp, cap=16, recompute=recompute)
     seqs = _seqs()
     g = actor.groups
@@ -95,6 +95,10 @@ def _train_worker(rank, world, tp, pp, recompute=False):
     if g.is_last_stage:
         assert 0.0 <= out["stats"]["clip_ratio"] <= 1.0 and out["stats"]["loss_tokens"] > 0
     hf = actor.hf_state_dict()  # collective over TP: every rank calls it
+    if hf_dir is not None:
+        from areal_mcore.convert.save_hf import save_hf
+
+        save_hf(actor, hf_dir, max_shard_bytes=100_000)
     return out["loss"], out["n_micro_batches"], hf if g.tp_rank == 0 and g.dp_rank == 0 else {}
 
 
@@ -162,8 +166,16 @@ def _assert_same_step(results, reference):
 
 
 @pytest.mark.slow
-def test_train_step_tp2_pp2_equals_single_process(reference_step):
-    _assert_same_step(run_gloo(_train_worker, 4, 2, 2), reference_step)
+def test_train_step_tp2_pp2_equals_single_process(reference_step, tmp_path):
+    from areal_mcore.convert.tools import load_hf_state_dict
+
+    results = run_gloo(_train_worker, 4, 2, 2, False, str(tmp_path))
+    _assert_same_step(results, reference_step)
+    # save_hf from the 4 ranks wrote exactly the trained weights, in several shards.
+    saved, trained = load_hf_state_dict(tmp_path), _merge_stages(results)
+    assert set(saved) == set(trained) and all(torch.equal(saved[k], trained[k]) for k in trained)
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    assert (tmp_path / "config.json").exists()
 
 
 @pytest.mark.slow

@@ -125,6 +125,7 @@ class McoreCheckpointReader:
                            f"tensors {extra[:10]}; is it from another architecture?")
 
     def iter_layers(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Every layer in order (all HF tensors of the model, one layer at a time)."""
         self.check_keys()
         for layer in range(self.args.num_layers):
             yield self.read_layer(layer)

@@ -61,10 +61,20 @@ def mcore_to_hf(input: str | Path, output: str | Path, *, hf_config_dir: str | P
         raise ValueError(f"HF config does not match {reader.path} ({diff}); nothing was written")
     out = Path(output)
     writer = ShardedSafetensorsWriter(out, max_shard_bytes, getattr(torch, dtype) if dtype else None)
+    reader.check_keys()
+    L = reader.args.num_layers
+    # The two ends hold the vocab matrices (embedding, lm head), the largest tensors and
+    # the costliest reads: take them first, each into its own shard, while the writer's
+    # buffer is empty; the peak is then max(vocab read, one shard + one layer).
+    ends = [L - 1, 0] if L > 1 else [0]
     written = []
-    for tensors in _progress(reader.iter_layers(), reader.args.num_layers, "layers", progress):
+    for layer in _progress(ends + list(range(1, L - 1)), L, "layers", progress):
+        tensors = reader.read_layer(layer)
         writer.add(tensors)
         written += tensors
+        del tensors
+        if layer in ends:
+            writer.flush()
     adapter.check_hf_names(written, reader.args, f"export of {reader.path}")
     index = writer.close()
     write_model_files(out, hf_config, tokenizer_dir or hf_config_dir)

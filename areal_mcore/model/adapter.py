@@ -63,6 +63,10 @@ PARAMS: tuple[ParamMap, ...] = (
 # merge(shards of all ranks, args) -> hf tensors.
 
 
+def _cat(shards: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return shards[0] if len(shards) == 1 else torch.cat(shards, dim)  # no copy of a lone shard
+
+
 def _qkv_split_sizes(args: ModelArgs):
     per_group_q = args.num_heads // args.num_kv_heads * args.head_dim
     return args.num_kv_heads, per_group_q, args.head_dim
@@ -104,9 +108,9 @@ def _shard_vocab(hf, args, rank, tp, padded_vocab):
 
 _KINDS = {
     "replicated": (lambda hf, a, r, tp, _: hf[0], lambda shards, a: [shards[0]]),
-    "column": (lambda hf, a, r, tp, _: hf[0].chunk(tp, 0)[r], lambda s, a: [torch.cat(s, 0)]),
-    "row": (lambda hf, a, r, tp, _: hf[0].chunk(tp, 1)[r], lambda s, a: [torch.cat(s, 1)]),
-    "vocab": (_shard_vocab, lambda s, a: [torch.cat(s, 0)[: a.vocab_size]]),
+    "column": (lambda hf, a, r, tp, _: hf[0].chunk(tp, 0)[r], lambda s, a: [_cat(s, 0)]),
+    "row": (lambda hf, a, r, tp, _: hf[0].chunk(tp, 1)[r], lambda s, a: [_cat(s, 1)]),
+    "vocab": (_shard_vocab, lambda s, a: [_cat(s, 0)[: a.vocab_size]]),
     "qkv": (_shard_qkv, _merge_qkv),
     "gate_up": (_shard_gate_up, _merge_gate_up),
 }
