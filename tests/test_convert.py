@@ -1,5 +1,6 @@
 """HF <-> megatron checkpoint conversion through the real CLI (subprocesses)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -26,9 +27,16 @@ def _cli(*args, check=True):
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     folder = tmp_path_factory.mktemp("hf")
     _, state, model = tiny_qwen2(vocab=250)
     model.save_pretrained(folder)
+    vocab = {f"w{i}": i for i in range(249)} | {"<unk>": 249}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
     return folder, state, model
 
 
@@ -44,7 +52,8 @@ def test_hf_to_tp2_pp2_to_hf_is_bitwise_and_loads_offline(hf_folder, tmp_path):
     from transformers import AutoModelForCausalLM
 
     hf, state, model = hf_folder
-    _, out = _import_export(hf, tmp_path, 2, 2, "--verify", "--max-shard-size", "150KB")
+    _, out = _import_export(hf, tmp_path, 2, 2, "--verify", "--max-shard-size", "150KB",
+                            "--tokenizer", str(hf))
     back = load_hf_state_dict(out)
     assert set(back) == set(state)
     assert all(torch.equal(back[k], state[k]) for k in state)
@@ -52,6 +61,12 @@ def test_hf_to_tp2_pp2_to_hf_is_bitwise_and_loads_offline(hf_folder, tmp_path):
     assert len(set(index["weight_map"].values())) > 1  # really sharded
     for name in ("config.json", "generation_config.json"):
         assert (out / name).exists()
+    from transformers import AutoTokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # carried over unchanged
+        assert (out / name).read_bytes() == (hf / name).read_bytes()
+    text = "w3 w7 w250"
+    assert AutoTokenizer.from_pretrained(str(out)).encode(text) == AutoTokenizer.from_pretrained(str(hf)).encode(text)
     loaded = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True,
                                                   attn_implementation="eager").eval()  # as the original
     tokens = torch.randint(0, 250, (2, 11), generator=torch.Generator().manual_seed(3))
@@ -86,6 +101,13 @@ def test_config_mismatch_lists_every_field_and_writes_nothing(hf_folder, tmp_pat
                   "rope_theta: checkpoint 10000.0 vs HF config 1000000.0"):
         assert field in proc.stderr
     assert not (tmp_path / "out").exists()
+    # A checkpoint holding tensors the model args do not explain is refused, listing them.
+    from areal_mcore.convert.mcore_reader import McoreCheckpointReader
+
+    reader = McoreCheckpointReader.resolve(ckpt)
+    reader.args = dataclasses.replace(reader.args, qkv_bias=False)
+    with pytest.raises(KeyError, match=r"unexpected tensors \['decoder.layers.self_attention.linear_qkv.bias'\]"):
+        reader.check_keys()
 
 
 def test_missing_and_extra_hf_tensors_are_listed(hf_folder, tmp_path):
