@@ -1,7 +1,8 @@
 """The two conversions behind ``tools/convert_ckpt`` and ``areal-mcore convert``.
 
 - ``mcore_to_hf``: a training checkpoint (any TP/PP) -> HF folder, streamed a layer at a
-  time (peak memory ≈ one layer + one safetensors shard), on CPU.
+  time (peak memory ≈ one shard + one layer, or the read of the largest stored tensor,
+  whichever is larger), on CPU.
 - ``hf_to_mcore``: an HF folder -> a step-0 training checkpoint at a chosen TP/PP, written
   by real megatron ranks so that a run at that layout resumes from it directly.
 """
@@ -59,9 +60,9 @@ def mcore_to_hf(input: str | Path, output: str | Path, *, hf_config_dir: str | P
     diff = args_mismatch(reader.args, ModelArgs.from_hf(hf_config), "checkpoint", "HF config")
     if diff:
         raise ValueError(f"HF config does not match {reader.path} ({diff}); nothing was written")
+    reader.check_keys()
     out = Path(output)
     writer = ShardedSafetensorsWriter(out, max_shard_bytes, getattr(torch, dtype) if dtype else None)
-    reader.check_keys()
     L = reader.args.num_layers
     # The two ends hold the vocab matrices (embedding, lm head), the largest tensors and
     # the costliest reads: take them first, each into its own shard, while the writer's
