@@ -3,47 +3,16 @@
 import pytest
 import torch
 import torch.distributed as dist
+from _actor_setup import VOCAB
+from _actor_setup import ppo_loss as _ppo_loss
+from _actor_setup import seqs as _seqs
+from _actor_setup import tiny_actor as _actor
+from _actor_setup import train_fields as _train_fields
 from _dist import run_gloo
 from _tiny_model import tiny_qwen2
 
-from areal_mcore.algo import ppo_actor_loss, reduce_ppo_stats
-from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig, ParallelConfig
+from areal_mcore.algo import reduce_ppo_stats
 from areal_mcore.packing import pack
-
-VOCAB = 250
-LENGTHS = [7, 12, 5, 9, 11, 3, 8, 10]  # two minibatches of four sequences
-
-
-def _seqs(lengths=LENGTHS, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
-
-
-def _train_fields(seqs, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "loss_mask": [torch.arange(len(s)) >= 2 for s in seqs],
-        "prox": [-torch.rand(len(s), generator=g) * 6 for s in seqs],
-        "adv": [torch.randn(len(s), generator=g) for s in seqs],
-    }
-
-
-def _ppo_loss(logp, mb, tokens):
-    f = mb.fields
-    return ppo_actor_loss(logp, f["prox"], f["adv"], f["loss_mask"], num_global_tokens=tokens,
-                          eps_clip=0.2)
-
-
-def _actor(tp=1, pp=1, cap=4096, tie=False, recompute=False):
-    from areal_mcore.actor import MegatronActor
-
-    hf_config, state, _ = tiny_qwen2(tie=tie, vocab=VOCAB)
-    cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=cap),
-                      optimizer=OptimizerConfig(lr=1e-3, eps=1e-5, weight_decay=0.01),  # boba eps
-                      parallel=ParallelConfig(tp=tp, pp=pp), vocab_divisible_by=8, recompute=recompute)
-    actor = MegatronActor(cfg, hf_config, total_optimizer_steps=2)
-    actor.load_hf_state_dict(state)
-    return actor
 
 
 def _hf_reference(seqs, tie=False):

@@ -7,8 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from _actor_setup import ppo_loss as _ppo_loss
+from _actor_setup import seqs as _seqs
+from _actor_setup import tiny_actor as _actor
+from _actor_setup import train_fields as _train_fields
 from _dist import run_gloo
-from test_actor import _actor, _ppo_loss, _seqs, _train_fields
 
 from areal_mcore.packing import pack
 
