@@ -6,6 +6,7 @@ import os
 import pickle
 import socket
 import traceback
+from queue import Empty
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -40,7 +41,7 @@ def run_gloo(fn, world_size: int = 2, *args) -> list:
     default group is the world, and ``fn`` passes ``dist.group.WORLD`` on explicitly.
     """
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
@@ -48,7 +49,16 @@ def run_gloo(fn, world_size: int = 2, *args) -> list:
     ]
     for p in procs:
         p.start()
-    results = [queue.get() for _ in procs]
+    results = []
+    while len(results) < world_size:
+        try:
+            results.append(queue.get(timeout=5))
+        except Empty:  # a rank that died without reporting (segfault, OOM kill) fails the test
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead and len(results) + len(dead) >= world_size or len(dead) == world_size:
+                for p in procs:
+                    p.kill()
+                raise AssertionError(f"gloo ranks died without a result: (rank, exit code) {dead}") from None
     for p in procs:
         p.join(timeout=60)
     errors = [err for _, _, err in results if err]
