@@ -59,6 +59,7 @@ def _train_worker(rank, world, tp, pp, recompute=False, hf_dir=None):
     mine = [i for mb in (range(n), range(n, 2 * n)) for i in list(mb)[g.dp_rank::g.dp_size]]
     sub = [seqs[i] for i in mine]
     fields = {k: [v[i] for i in mine] for k, v in _train_fields(seqs).items()}
+    logp = actor.compute_logprobs(pack(sub))  # before the update; on every rank
     out = actor.train_batch(pack(sub, fields), _ppo_loss, n_minibatches=2,
                             reduce_stats=reduce_ppo_stats)
     if g.is_last_stage:
@@ -68,7 +69,7 @@ def _train_worker(rank, world, tp, pp, recompute=False, hf_dir=None):
         from areal_mcore.convert.save_hf import save_hf
 
         save_hf(actor, hf_dir, max_shard_bytes=100_000)
-    return out["loss"], out["n_micro_batches"], hf if g.tp_rank == 0 and g.dp_rank == 0 else {}
+    return out["loss"], out["n_micro_batches"], hf if g.tp_rank == 0 and g.dp_rank == 0 else {}, logp
 
 
 # --------------------------------------------------------------------------- tests
@@ -116,15 +117,15 @@ def reference_step():
 
 def _merge_stages(results):
     merged = {}
-    for _, _, hf in results:
+    for _, _, hf, _ in results:
         merged.update(hf)
     return merged
 
 
 def _assert_same_step(results, reference):
-    loss, n_mbs, ref_hf = reference
+    loss, n_mbs, ref_hf, _ = reference
     assert all(n > 1 for n in n_mbs), "the reference must run several micro-batches"
-    for rank_loss, rank_mbs, _ in results:
+    for rank_loss, rank_mbs, _, _ in results:
         assert rank_loss == pytest.approx(loss, rel=1e-5)
         assert all(n > 1 for n in rank_mbs)
     hf = _merge_stages(results)
@@ -140,6 +141,9 @@ def test_train_step_tp2_pp2_equals_single_process(reference_step, tmp_path):
 
     results = run_gloo(_train_worker, 4, 2, 2, False, str(tmp_path))
     _assert_same_step(results, reference_step)
+    # compute_logprobs through the PP schedule, broadcast from the last stage to all ranks.
+    for *_, logp in results:
+        assert (logp - reference_step[3]).abs().max() <= 1e-5
     # save_hf from the 4 ranks wrote exactly the trained weights, in several shards.
     saved, trained = load_hf_state_dict(tmp_path), _merge_stages(results)
     assert set(saved) == set(trained) and all(torch.equal(saved[k], trained[k]) for k in trained)
