@@ -1,0 +1,1 @@
+"""Math datasets: boba-format JSONL loading, a seeded resumable sampler, a synthetic task."""

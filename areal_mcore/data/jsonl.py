@@ -1,0 +1,105 @@
+"""Load math problems from JSONL with row-level errors that name ``file:line``.
+
+Formats (``DatasetConfig.format``):
+- ``boba``: ``{"prompt": str, "solutions": [str, ...]}`` (AReaL boba's release format);
+- ``qa``: ``{"question": str, "answer": str}`` (one solution);
+- ``messages``: ``{"messages": [{"role", "content"}, ...], "solutions": [...]}``, the
+  prompt being the chat so far.
+The key names are configurable. A bad row (invalid JSON, not UTF-8, missing or empty
+field) raises ``DatasetError`` naming the file and line, or with ``skip_bad_rows`` is
+skipped and counted in the returned report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FORMATS = ("boba", "qa", "messages")
+
+
+class DatasetError(ValueError):
+    """A dataset row the user must fix; the message starts with ``file:line``."""
+
+
+@dataclass(kw_only=True)
+class DatasetConfig:
+    path: str
+    format: str = "boba"
+    prompt_key: str = "prompt"  # "question" for qa, "messages" for messages
+    solutions_key: str = "solutions"  # "answer" for qa (a single string)
+    skip_bad_rows: bool = False
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r} is not allowed; choose one of {list(FORMATS)}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str | tuple[tuple[str, str], ...]  # text, or (role, content) messages
+    solutions: tuple[str, ...]
+    source: str  # file:line
+
+
+@dataclass
+class LoadReport:
+    rows: int = 0
+    bad_rows: list[str] = field(default_factory=list)  # "file:line: why"
+
+
+def load_problems(cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]:
+    """Every good row of ``cfg.path``; raises on the first bad one unless skipping."""
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset not found: {path}")
+    problems, report = [], LoadReport()
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            report.rows += 1
+            where = f"{path}:{lineno}"
+            try:
+                problems.append(_parse(raw, cfg, where))
+            except DatasetError as e:
+                if not cfg.skip_bad_rows:
+                    raise
+                report.bad_rows.append(str(e))
+    return problems, report
+
+
+def _parse(raw: bytes, cfg: DatasetConfig, where: str) -> Problem:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{where}: not valid UTF-8 (byte {e.start})") from None
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    prompt = _field(row, cfg.prompt_key, where)
+    solutions = _field(row, cfg.solutions_key, where)
+    if cfg.format == "qa":
+        solutions = [solutions]
+    if not isinstance(solutions, list) or not solutions or not all(
+            isinstance(s, str) and s.strip() for s in solutions):
+        raise DatasetError(f"{where}: {cfg.solutions_key!r} must be a non-empty list of non-empty strings")
+    if cfg.format == "messages":
+        if not isinstance(prompt, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt):
+            raise DatasetError(f"{where}: {cfg.prompt_key!r} must be a list of {{role, content}} messages")
+        prompt = tuple((m["role"], m["content"]) for m in prompt)
+    elif not isinstance(prompt, str) or not prompt.strip():
+        raise DatasetError(f"{where}: {cfg.prompt_key!r} must be a non-empty string")
+    return Problem(prompt=prompt, solutions=tuple(solutions), source=where)
+
+
+def _field(row: dict, key: str, where: str):
+    if key not in row:
+        raise DatasetError(f"{where}: missing field {key!r} (row has {sorted(row)})")
+    return row[key]

@@ -1,0 +1,88 @@
+import json
+import re
+
+import pytest
+
+from areal_mcore.data.jsonl import DatasetConfig, DatasetError, load_problems
+from areal_mcore.data.sampler import EpochSampler
+from areal_mcore.data.synthetic import generate, write_jsonl
+
+GOOD = json.dumps({"prompt": "Compute 1 + 1.", "solutions": ["\\boxed{2}"]})
+
+
+def _file(tmp_path, lines: list[bytes]):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+BAD_ROWS = [
+    (b'{"prompt": "x", "solutions": [', "invalid JSON"),
+    (b'{"prompt": "caf\xe9", "solutions": ["1"]}', "not valid UTF-8"),
+    (b'{"solutions": ["1"]}', "missing field 'prompt'"),
+    (b'{"prompt": "x"}', "missing field 'solutions'"),
+    (b'{"prompt": "x", "solutions": []}', "non-empty list"),
+    (b'{"prompt": "x", "solutions": [""]}', "non-empty list"),
+    (b'{"prompt": "", "solutions": ["1"]}', "non-empty string"),
+    (b'[1, 2]', "JSON object"),
+]
+
+
+@pytest.mark.parametrize("row, why", BAD_ROWS)
+def test_bad_row_error_names_file_and_line(tmp_path, row, why):
+    path = _file(tmp_path, [GOOD.encode(), b"", row])
+    with pytest.raises(DatasetError, match=rf"^{re.escape(str(path))}:3: .*{re.escape(why)}"):
+        load_problems(DatasetConfig(path=str(path)))
+
+
+def test_skip_bad_rows_counts_every_kind(tmp_path):
+    path = _file(tmp_path, [GOOD.encode()] + [row for row, _ in BAD_ROWS] + [GOOD.encode()])
+    problems, report = load_problems(DatasetConfig(path=str(path), skip_bad_rows=True))
+    assert len(problems) == 2 and report.rows == 2 + len(BAD_ROWS)
+    assert len(report.bad_rows) == len(BAD_ROWS)
+    assert [p.source for p in problems] == [f"{path}:1", f"{path}:{len(BAD_ROWS) + 2}"]
+
+
+def test_qa_and_messages_formats_map_their_fields(tmp_path):
+    qa = _file(tmp_path, [json.dumps({"question": "2+2?", "answer": "4"}).encode()])
+    (p,), _ = load_problems(DatasetConfig(path=str(qa), format="qa", prompt_key="question",
+                                          solutions_key="answer"))
+    assert (p.prompt, p.solutions) == ("2+2?", ("4",))
+    msgs = tmp_path / "m.jsonl"
+    msgs.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "solutions": ["1"]}) + "\n")
+    (m,), _ = load_problems(DatasetConfig(path=str(msgs), format="messages", prompt_key="messages"))
+    assert m.prompt == (("user", "hi"),)
+    with pytest.raises(ValueError, match="format='csv'"):
+        DatasetConfig(path="x", format="csv")
+
+
+def test_synthetic_task_is_seeded_correct_and_loads(tmp_path):
+    rows = generate(300, seed=7)
+    assert rows == generate(300, seed=7) and rows != generate(300, seed=8)
+    assert {r["level"] for r in rows} == {1, 2, 3}
+    for r in rows:
+        answer = int(re.fullmatch(r"\\boxed\{(-?\d+)\}", r["solutions"][0]).group(1))
+        if m := re.match(r"Compute (\d+) ([-+*]) (\d+)\.", r["prompt"]):
+            a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+            assert answer == {"+": a + b, "-": a - b, "*": a * b}[op]
+        else:
+            m = re.match(r"Solve (\d+)x ([-+]) (\d+) = (-?\d+) for x\.", r["prompt"])
+            a, sign, b, c = int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
+            assert a * answer + (b if sign == "+" else -b) == c
+    problems, report = load_problems(DatasetConfig(path=str(write_jsonl(rows, tmp_path / "s.jsonl"))))
+    assert len(problems) == 300 and not report.bad_rows
+
+
+def test_sampler_resumes_exactly_and_reshuffles_each_epoch():
+    full = EpochSampler(10, 4, seed=3)
+    batches = [full.next_batch() for _ in range(7)]  # 2 batches per epoch, tail dropped
+    assert set(batches[0]).isdisjoint(batches[1])  # no repeats within an epoch
+    assert batches[0] != batches[2]  # each epoch has its own order
+    first = EpochSampler(10, 4, seed=3)
+    for _ in range(3):
+        first.next_batch()
+    resumed = EpochSampler(10, 4, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    assert [resumed.next_batch() for _ in range(4)] == batches[3:]
+    with pytest.raises(ValueError, match="fewer than batch_size"):
+        EpochSampler(3, 4, seed=0)
