@@ -1,0 +1,1 @@
+"""Rewards: boba's math-verify check, run in killable, resource-limited worker processes."""

@@ -1,0 +1,165 @@
+"""A pool of killable, resource-limited reward workers (``python -m areal_mcore.reward.worker``).
+
+Each worker is a separate interpreter with an address-space limit and a CPU-time limit
+(model text reaches sympy). The parent enforces a wall-clock deadline per item: a
+worker that overruns is killed and replaced, the item scores 0.0 and is counted in
+``timeouts``. Workers are also replaced after ``max_items_per_worker`` items, so the
+cumulative CPU-time limit and memory growth never bite a healthy worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import selectors
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class RewardPoolConfig:
+    num_workers: int = 2
+    timeout_s: float = 5.0
+    memory_mb: int = 2048
+    cpu_s: int = 600
+    max_items_per_worker: int = 2000
+
+    def __post_init__(self):
+        for key in ("num_workers", "timeout_s", "memory_mb", "cpu_s", "max_items_per_worker"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key}={getattr(self, key)} must be > 0")
+
+
+class _Worker:
+    def __init__(self, cfg: RewardPoolConfig):
+        limits = (cfg.memory_mb << 20, cfg.cpu_s)
+
+        def restrict():  # runs in the child before exec
+            resource.setrlimit(resource.RLIMIT_AS, (limits[0], limits[0]))
+            resource.setrlimit(resource.RLIMIT_CPU, (limits[1], limits[1] + 5))
+
+        # math-verify's own timeouts stay under the parent's deadline.
+        inner = max(1, int(cfg.timeout_s / 3))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "areal_mcore.reward.worker", str(inner)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            preexec_fn=restrict, text=True, encoding="utf-8", errors="surrogatepass", bufsize=1,
+        )
+        self.items = 0
+        self.busy: tuple[int, float] | None = None  # (item index, deadline)
+        self.ready = False
+
+    def send(self, index: int, completion: str, solutions: list[str], deadline: float) -> None:
+        self.proc.stdin.write(json.dumps({"id": index, "completion": completion, "solutions": solutions}) + "\n")
+        self.proc.stdin.flush()
+        self.busy = (index, deadline)
+        self.items += 1
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+
+class RewardPool:
+    """``score(completions, solutions_list) -> rewards`` over killable worker processes."""
+
+    def __init__(self, cfg: RewardPoolConfig | None = None):
+        self.cfg = cfg or RewardPoolConfig()
+        self.timeouts = 0
+        self.crashes = 0
+        self.latencies: list[float] = []
+        self._failed_starts = 0
+        self._workers = [_Worker(self.cfg) for _ in range(self.cfg.num_workers)]
+
+    def score(self, completions: list[str], solutions_list: list[list[str]]) -> list[float]:
+        """Rewards in input order; every item returns within ``timeout_s`` (+ scheduling)."""
+        if len(completions) != len(solutions_list):
+            raise ValueError(f"{len(completions)} completions but {len(solutions_list)} solution lists")
+        rewards: list[float | None] = [None] * len(completions)
+        todo = list(range(len(completions)))[::-1]
+        started: dict[int, float] = {}
+        while any(r is None for r in rewards):
+            for slot, w in enumerate(self._workers):
+                if w.busy is None and w.ready and todo:
+                    i = todo.pop()
+                    started[i] = time.monotonic()
+                    try:
+                        w.send(i, completions[i], solutions_list[i], started[i] + self.cfg.timeout_s)
+                    except (BrokenPipeError, OSError):  # died while idle: replace, retry the item
+                        todo.append(i)
+                        self._replace(slot, crashed=True)
+            self._poll(rewards, started)
+        return [float(r) for r in rewards]
+
+    async def ascore(self, completions: list[str], solutions_list: list[list[str]]) -> list[float]:
+        """``score`` off the event loop (the pool serves one call at a time)."""
+        return await asyncio.to_thread(self.score, completions, solutions_list)
+
+    def _poll(self, rewards, started) -> None:
+        sel = selectors.DefaultSelector()
+        for slot, w in enumerate(self._workers):
+            sel.register(w.proc.stdout, selectors.EVENT_READ, slot)
+        deadlines = [w.busy[1] for w in self._workers if w.busy]
+        wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.5
+        events = sel.select(timeout=min(wait, 0.5))
+        sel.close()
+        for key, _ in events:
+            slot = key.data
+            w = self._workers[slot]
+            line = w.proc.stdout.readline()
+            if not line:  # EOF: the worker died (memory or CPU limit, or a crash)
+                if not w.ready:
+                    self._failed_starts += 1
+                    if self._failed_starts >= 3:
+                        raise RuntimeError(
+                            "reward workers exit before they are ready (3 times in a row); "
+                            f"is memory_mb={self.cfg.memory_mb} too low to import math-verify?")
+                if w.busy:
+                    self._finish(rewards, started, w.busy[0], 0.0)
+                self._replace(slot, crashed=True)
+            elif line.strip() == "ready":
+                w.ready = True
+                self._failed_starts = 0
+            else:
+                out = json.loads(line)
+                self._finish(rewards, started, out["id"], out["reward"])
+                w.busy = None
+                if w.items >= self.cfg.max_items_per_worker:
+                    self._replace(slot)
+        now = time.monotonic()
+        for slot, w in enumerate(self._workers):
+            if w.busy and now >= w.busy[1]:
+                self.timeouts += 1
+                self._finish(rewards, started, w.busy[0], 0.0)
+                self._replace(slot)
+
+    def _finish(self, rewards, started, index, value) -> None:
+        rewards[index] = value
+        self.latencies.append(time.monotonic() - started[index])
+
+    def _replace(self, slot: int, crashed: bool = False) -> None:
+        self.crashes += crashed
+        self._workers[slot].kill()
+        self._workers[slot] = _Worker(self.cfg)
+
+    def worker_pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    def close(self) -> None:
+        for w in self._workers:
+            w.kill()
+        self._workers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,161 @@
+"""boba reward correctness, and the worker pool under hostile input."""
+
+import os
+import time
+
+import pytest
+
+from areal_mcore.reward.boba import boba_reward, last_boxed
+from areal_mcore.reward.pool import RewardPool, RewardPoolConfig
+
+B = "\\boxed"
+# (completion, gold solutions, expected reward)
+TABLE = [
+    # fractions, decimals, integers
+    (f"so {B}{{0.5}}", ["\\frac{1}{2}"], 1.0),
+    (f"{B}{{\\frac{{1}}{{2}}}}", ["0.5"], 1.0),
+    (f"{B}{{\\dfrac{{3}}{{4}}}}", ["\\frac34"], 1.0),
+    (f"{B}{{1/3}}", ["\\frac{1}{3}"], 1.0),
+    (f"{B}{{0.33}}", ["\\frac{1}{3}"], 0.0),
+    (f"{B}{{42}}", ["42"], 1.0),
+    (f"{B}{{42.0}}", ["42"], 1.0),
+    (f"{B}{{-7}}", ["-7"], 1.0),
+    (f"{B}{{7}}", ["-7"], 0.0),
+    (f"{B}{{1,000}}", ["1000"], 1.0),
+    # sets and intervals
+    (f"{B}{{\\{{1,2,3\\}}}}", ["\\{1,2,3\\}"], 1.0),
+    (f"{B}{{\\{{3,2,1\\}}}}", ["\\{1,2,3\\}"], 1.0),
+    (f"{B}{{\\{{1,2\\}}}}", ["\\{1,2,3\\}"], 0.0),
+    (f"{B}{{(1, 2]}}", ["(1,2]"], 1.0),
+    (f"{B}{{[1, 2]}}", ["(1,2]"], 0.0),
+    (f"{B}{{(-\\infty, 3)}}", ["(-\\infty,3)"], 1.0),
+    # percentages
+    (f"{B}{{50\\%}}", ["0.5"], 1.0),
+    (f"{B}{{50\\%}}", ["50\\%"], 1.0),
+    (f"{B}{{25\\%}}", ["0.5"], 0.0),
+    # LaTeX vs plain
+    (f"{B}{{\\sqrt{{2}}}}", ["\\sqrt{2}"], 1.0),
+    (f"{B}{{\\sqrt{{2}}}}", ["2^{1/2}"], 1.0),
+    (f"{B}{{2\\sqrt{{3}}}}", ["\\sqrt{12}"], 1.0),
+    (f"{B}{{\\pi}}", ["\\pi"], 1.0),
+    (f"{B}{{3.14}}", ["\\pi"], 0.0),
+    (f"{B}{{x^2+2x+1}}", ["(x+1)^2"], 1.0),
+    (f"{B}{{x=3}}", ["3"], 1.0),
+    (f"{B}{{\\text{{3}}}}", ["3"], 1.0),
+    (f"{B}{{\\frac{{\\sqrt{{3}}}}{{2}}}}", ["\\frac{\\sqrt3}{2}"], 1.0),
+    (f"{B}{{2^{{10}}}}", ["1024"], 1.0),
+    (f"{B}{{10!}}", ["3628800"], 1.0),
+    # multiple choice letters
+    (f"{B}{{B}}", ["B"], 1.0),
+    (f"{B}{{C}}", ["B"], 0.0),
+    # no boxed answer, empty boxed
+    ("The answer is 42.", ["42"], 0.0),
+    (f"{B}{{}}", ["42"], 0.0),
+    # several boxed answers: the last wins
+    (f"first {B}{{1}} then {B}{{2}}", ["2"], 1.0),
+    (f"first {B}{{2}} then {B}{{1}}", ["2"], 0.0),
+    ("\\fbox{5}", ["5"], 1.0),
+    # any of the solutions
+    (f"{B}{{4}}", ["3", "4"], 1.0),
+    (f"{B}{{5}}", ["3", "4"], 0.0),
+    # gold given as a boxed solution text
+    (f"{B}{{12}}", ["We get \\boxed{12}."], 1.0),
+    (f"{B}{{12}}", ["We get \\boxed{13}."], 0.0),
+    # boxed content with nested braces
+    (f"{B}{{\\frac{{1}}{{\\frac{{1}}{{2}}}}}}", ["2"], 1.0),
+]
+
+
+def test_table_has_at_least_40_pairs():
+    assert len(TABLE) >= 40
+
+
+@pytest.mark.parametrize("completion, solutions, expected", TABLE)
+def test_boba_reward_table(completion, solutions, expected):
+    assert boba_reward(completion, solutions) == expected
+
+
+def test_last_boxed_handles_nesting_and_unbalanced():
+    assert last_boxed("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{1} \\boxed{2") is None
+    assert last_boxed("nothing") is None
+
+
+def _children() -> list[int]:
+    """Live child processes of this process (from /proc)."""
+    me, kids = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+def _hostile(n: int = 200):
+    """(completion, solutions, expected) for n hostile completions, cycling the kinds."""
+    kinds = [
+        lambda i: (f"{B}{{9^{{9^{{{9 + i % 3}}}}}}}", ["1"], 0.0),
+        lambda i: (f"{B}{{2^{{2^{{{100 + i}}}}}}}", ["1"], 0.0),
+        lambda i: (f"{B}{{" + "\\frac{1}{" * 1000 + "1" + "}" * 1000 + "}", ["1"], 0.0),
+        lambda i: ("\\frac{1}{" * 1000 + "1" + "}" * 1000, ["1"], 0.0),
+        lambda i: (f"{B}{{" + "+".join(["1"] * 70_000) + "}", ["70000"], 0.0),
+        lambda i: ("1+" * 100_000 + "1", ["1"], 0.0),
+        lambda i: (f"{B}{{1}}" * 5000, ["1"], 1.0),
+        lambda i: (f"{B}{{" * 50 + "1", ["1"], 0.0),
+        lambda i: (f"{B}{{{{{{{{}}", ["1"], 0.0),
+        lambda i: (f"{B}{{{10 ** 5 + i}!}}", ["1"], 0.0),
+        lambda i: (f"{B}{{(10^{{6}})!}}", ["1"], 0.0),
+        lambda i: (f"{B}{{\udcff\ud800}}", ["1"], 0.0),
+        lambda i: ("caf\udce9 " * 1000 + f"{B}{{\udcfe}}", ["1"], 0.0),
+    ]
+    return [kinds[i % len(kinds)](i) for i in range(n)]
+
+
+@pytest.mark.slow
+def test_pool_survives_hostile_completions_without_leaks():
+    cfg = RewardPoolConfig(num_workers=2, timeout_s=2.0, memory_mb=1024)
+    before = set(_children())
+    pool = RewardPool(cfg)
+    items = _hostile(200)
+    t0 = time.monotonic()
+    rewards = pool.score([c for c, _, _ in items], [s for _, s, _ in items])
+    elapsed = time.monotonic() - t0
+    assert all(r in (0.0, expected) for r, (_, _, expected) in zip(rewards, items, strict=True))
+    assert max(pool.latencies) <= cfg.timeout_s + 1.0, f"slowest item {max(pool.latencies):.2f}s"
+    # Still serving normal requests, with the same number of live workers.
+    assert pool.score([f"{B}{{0.5}}", f"{B}{{3}}"], [["\\frac12"], ["4"]]) == [1.0, 0.0]
+    assert len(set(_children()) - before) == cfg.num_workers
+    pool.close()
+    assert set(_children()) - before == set()
+    print(f"200 hostile items in {elapsed:.1f}s, timeouts {pool.timeouts}, crashes {pool.crashes}")
+
+
+def test_pool_scores_in_order_and_validates_lengths():
+    with RewardPool(RewardPoolConfig(num_workers=2, timeout_s=5.0)) as pool:
+        assert pool.score([f"{B}{{{i}}}" for i in range(6)], [[str(i)] for i in (0, 1, 9, 3, 9, 5)]) == \
+            [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+        with pytest.raises(ValueError, match="2 completions but 1 solution lists"):
+            pool.score(["a", "b"], [["1"]])
+
+
+def test_overrunning_item_is_killed_counted_and_its_worker_replaced():
+    slow = f"{B}{{" + "+".join(["x"] * 450) + "}"  # ~1.7 s of parsing, past a 0.5 s deadline
+    before = set(_children())
+    with RewardPool(RewardPoolConfig(num_workers=2, timeout_s=0.5)) as pool:
+        first = pool.worker_pids()
+        assert pool.score([slow, f"{B}{{2}}"], [["1"], ["2"]]) == [0.0, 1.0]
+        assert pool.timeouts == 1 and max(pool.latencies) <= 0.5 + 1.0
+        assert len(set(pool.worker_pids()) & set(first)) == 1  # one worker was replaced
+        assert pool.score([f"{B}{{3}}"], [["3"]]) == [1.0]
+        assert len(set(_children()) - before) == 2
+    assert set(_children()) - before == set()
+
+
+def test_workers_that_cannot_start_raise_instead_of_looping():
+    with pytest.raises(RuntimeError, match="memory_mb=16 too low"):
+        with RewardPool(RewardPoolConfig(num_workers=1, timeout_s=2.0, memory_mb=16)) as pool:
+            pool.score([f"{B}{{1}}"], [["1"]])
