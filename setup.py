@@ -15,6 +15,8 @@ INSTALL_REQUIRES = [
     "pyyaml",
     "safetensors",
     "tqdm",
+    # the boba reward; antlr4 4.13.2 is the LaTeX parser runtime it needs
+    "math-verify[antlr4_13_2]==0.9.0",
 ]
 
 EXTRAS_REQUIRE = {

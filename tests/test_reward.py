@@ -7,6 +7,7 @@ import pytest
 
 from areal_mcore.reward.boba import boba_reward, last_boxed
 from areal_mcore.reward.pool import RewardPool, RewardPoolConfig
+from bench.reward import hostile_completions
 
 B = "\\boxed"
 # (completion, gold solutions, expected reward)
@@ -95,32 +96,12 @@ def _children() -> list[int]:
     return kids
 
 
-def _hostile(n: int = 200):
-    """(completion, solutions, expected) for n hostile completions, cycling the kinds."""
-    kinds = [
-        lambda i: (f"{B}{{9^{{9^{{{9 + i % 3}}}}}}}", ["1"], 0.0),
-        lambda i: (f"{B}{{2^{{2^{{{100 + i}}}}}}}", ["1"], 0.0),
-        lambda i: (f"{B}{{" + "\\frac{1}{" * 1000 + "1" + "}" * 1000 + "}", ["1"], 0.0),
-        lambda i: ("\\frac{1}{" * 1000 + "1" + "}" * 1000, ["1"], 0.0),
-        lambda i: (f"{B}{{" + "+".join(["1"] * 70_000) + "}", ["70000"], 0.0),
-        lambda i: ("1+" * 100_000 + "1", ["1"], 0.0),
-        lambda i: (f"{B}{{1}}" * 5000, ["1"], 1.0),
-        lambda i: (f"{B}{{" * 50 + "1", ["1"], 0.0),
-        lambda i: (f"{B}{{{{{{{{}}", ["1"], 0.0),
-        lambda i: (f"{B}{{{10 ** 5 + i}!}}", ["1"], 0.0),
-        lambda i: (f"{B}{{(10^{{6}})!}}", ["1"], 0.0),
-        lambda i: (f"{B}{{\udcff\ud800}}", ["1"], 0.0),
-        lambda i: ("caf\udce9 " * 1000 + f"{B}{{\udcfe}}", ["1"], 0.0),
-    ]
-    return [kinds[i % len(kinds)](i) for i in range(n)]
-
-
 @pytest.mark.slow
 def test_pool_survives_hostile_completions_without_leaks():
     cfg = RewardPoolConfig(num_workers=2, timeout_s=2.0, memory_mb=1024)
     before = set(_children())
     pool = RewardPool(cfg)
-    items = _hostile(200)
+    items = hostile_completions(200)
     t0 = time.monotonic()
     rewards = pool.score([c for c, _, _ in items], [s for _, s, _ in items])
     elapsed = time.monotonic() - t0
