@@ -86,3 +86,41 @@ def test_sampler_resumes_exactly_and_reshuffles_each_epoch():
     assert [resumed.next_batch() for _ in range(4)] == batches[3:]
     with pytest.raises(ValueError, match="fewer than batch_size"):
         EpochSampler(3, 4, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("tok")
+    data = write_jsonl(generate(400, seed=1), out / "train.jsonl")
+    subprocess.run([sys.executable, "scripts/build_tokenizer.py", "--data", str(data), "--out", str(out / "tok"),
+                    "--vocab-size", "300"], cwd=Path(__file__).parents[1], check=True, capture_output=True)
+    return out / "tok"
+
+
+@pytest.mark.parametrize("text", ["Compute 17 + 25. Put the final answer in \\boxed{}.",
+                                  "  héllo\twörld 😀\n\\frac{1}{2}  ", "x" * 300])
+def test_trained_tokenizer_round_trips_text_exactly(tokenizer_dir, text):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_prompts_use_the_chat_template_and_drop_long_ones(tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from areal_mcore.data.prompts import BOBA_SUFFIX, build_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    rows = generate(20, seed=2) + [{"prompt": "Compute " + "9 + " * 400 + "1.", "solutions": ["\\boxed{3601}"]}]
+    problems, _ = load_problems(DatasetConfig(path=str(write_jsonl(rows, tmp_path / "p.jsonl"))))
+    prompts, dropped = build_prompts(problems, tok, max_prompt_tokens=200, suffix=BOBA_SUFFIX)
+    assert dropped == 1 and len(prompts) == 20
+    text = tok.decode(prompts[0].input_ids)
+    assert text.startswith("<|im_start|>user\n" + rows[0]["prompt"]) and BOBA_SUFFIX in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert prompts[0].solutions == tuple(rows[0]["solutions"])
