@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 
@@ -67,13 +68,60 @@ def run_convert(a) -> int:
     return 0
 
 
+def add_filter_parsers(sub) -> None:
+    filt = sub.add_parser("filter", help="boba's dataset filters (difficulty, prompt length)",
+                          description="Filter a boba-format JSONL dataset; kept rows are copied unchanged.")
+    kinds = filt.add_subparsers(dest="kind", required=True)
+    diff = kinds.add_parser(
+        "difficulty", help="drop problems the base model solves in all k of k samples",
+        description="Score k precomputed samples per problem with the boba reward and drop the "
+                    "problems solved every time (boba: k = 8). Sampling from a rollout endpoint "
+                    "arrives with the rollout issue.")
+    diff.add_argument("--data", required=True, help="boba-format JSONL")
+    diff.add_argument("--samples", required=True,
+                      help='JSONL, one row per problem in order: {"completions": [k strings]}')
+    diff.add_argument("--k", type=int, default=8)
+    diff.add_argument("--out", required=True)
+    diff.add_argument("--workers", type=int, default=2, help="reward worker processes")
+    length = kinds.add_parser("length", help="drop problems whose prompt is too long",
+                              description="Drop problems whose chat-templated prompt exceeds --max-prompt-tokens.")
+    length.add_argument("--data", required=True)
+    length.add_argument("--tokenizer", required=True, help="folder for AutoTokenizer.from_pretrained")
+    length.add_argument("--max-prompt-tokens", type=int, default=1024)
+    length.add_argument("--out", required=True)
+    for p in (diff, length):
+        p.add_argument("--skip-bad-rows", action="store_true", help="skip and count malformed rows")
+
+
+def run_filter(a) -> int:
+    from areal_mcore.data.filters import difficulty_filter, length_filter
+    from areal_mcore.data.jsonl import DatasetConfig
+
+    cfg = DatasetConfig(path=a.data, skip_bad_rows=a.skip_bad_rows)
+    if a.kind == "difficulty":
+        from areal_mcore.reward.pool import RewardPool, RewardPoolConfig
+
+        with RewardPool(RewardPoolConfig(num_workers=a.workers)) as pool:
+            summary = difficulty_filter(cfg, a.samples, a.out, k=a.k, pool=pool)
+    else:
+        from transformers import AutoTokenizer
+
+        from areal_mcore.data.prompts import BOBA_SUFFIX
+
+        tok = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
+        summary = length_filter(cfg, tok, a.out, max_prompt_tokens=a.max_prompt_tokens, suffix=BOBA_SUFFIX)
+    print(json.dumps(summary))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="areal-mcore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_convert_parsers(sub)
+    add_filter_parsers(sub)
     a = parser.parse_args(argv)
     try:
-        return {"convert": run_convert}[a.command](a)
+        return {"convert": run_convert, "filter": run_filter}[a.command](a)
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"areal-mcore {a.command}: error: {e}", file=sys.stderr)
         return 2

@@ -124,3 +124,38 @@ def test_prompts_use_the_chat_template_and_drop_long_ones(tokenizer_dir, tmp_pat
     assert text.startswith("<|im_start|>user\n" + rows[0]["prompt"]) and BOBA_SUFFIX in text
     assert text.endswith("<|im_start|>assistant\n")
     assert prompts[0].solutions == tuple(rows[0]["solutions"])
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "areal_mcore.cli", *args],
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_difficulty_filter_drops_problems_solved_k_of_k(tmp_path):
+    rows = generate(3, seed=4)
+    data = write_jsonl(rows, tmp_path / "d.jsonl")
+    right = [r["solutions"][0] for r in rows]
+    samples = [
+        {"completions": [f"so {right[0]}"] * 8},  # always solved: dropped
+        {"completions": [f"so {right[1]}"] * 7 + ["\\boxed{nope}"]},  # 7 of 8: kept
+        {"completions": ["no answer"] * 8},  # never: kept
+    ]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    summary = _cli("filter", "difficulty", "--data", str(data), "--samples", str(tmp_path / "s.jsonl"),
+                   "--k", "8", "--out", str(tmp_path / "out.jsonl"))
+    assert summary == {"problems": 3, "kept": 2, "dropped_solved": 1, "bad_rows": 0}
+    assert (tmp_path / "out.jsonl").read_text().splitlines() == data.read_text().splitlines()[1:]
+
+
+def test_length_filter_cli_drops_long_prompts(tokenizer_dir, tmp_path):
+    rows = generate(5, seed=5) + [{"prompt": "Compute " + "9 + " * 400 + "1.", "solutions": ["\\boxed{3601}"]}]
+    data = write_jsonl(rows, tmp_path / "d.jsonl")
+    summary = _cli("filter", "length", "--data", str(data), "--tokenizer", str(tokenizer_dir),
+                   "--max-prompt-tokens", "300", "--out", str(tmp_path / "out.jsonl"))
+    assert summary == {"problems": 6, "kept": 5, "dropped_long": 1, "bad_rows": 0}
