@@ -77,6 +77,7 @@ class RewardPool:
         self.crashes = 0
         self.latencies: list[float] = []
         self._failed_starts = 0
+        self._pending = 0
         self._workers = [_Worker(self.cfg) for _ in range(self.cfg.num_workers)]
 
     def score(self, completions: list[str], solutions_list: list[list[str]]) -> list[float]:
@@ -86,7 +87,8 @@ class RewardPool:
         rewards: list[float | None] = [None] * len(completions)
         todo = list(range(len(completions)))[::-1]
         started: dict[int, float] = {}
-        while any(r is None for r in rewards):
+        self._pending = len(completions)
+        while self._pending:  # a counter: rescanning all rewards every poll is quadratic
             for slot, w in enumerate(self._workers):
                 if w.busy is None and w.ready and todo:
                     i = todo.pop()
@@ -143,6 +145,7 @@ class RewardPool:
 
     def _finish(self, rewards, started, index, value) -> None:
         rewards[index] = value
+        self._pending -= 1
         self.latencies.append(time.monotonic() - started[index])
 
     def _replace(self, slot: int, crashed: bool = False) -> None:
