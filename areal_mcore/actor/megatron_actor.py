@@ -199,7 +199,7 @@ class MegatronActor:
         lens = batch.seqlens_padded
         bins = allocate_micro_batches(lens, self.cfg.mb_spec.max_tokens_per_mb,
                                       min_mbs=min(g.pp_size, len(lens)))
-        micro = [batch.select(b) for b in bins]
+        micro = batch.select_many(bins)
 
         def loss_func(mb, logits):
             logp = self._logprobs(mb, logits, temperature)
@@ -236,14 +236,14 @@ class MegatronActor:
         t0 = time.perf_counter()
         self.model.train()
         result = {"loss": [], "grad_norm": [], "n_micro_batches": [], "micro_stats": []}
-        for ids in np.array_split(np.arange(batch.num_seqs), n_minibatches):
-            sub = batch.select(ids.tolist())
+        minibatches = batch.select_many([ids.tolist() for ids in np.array_split(np.arange(batch.num_seqs), n_minibatches)])
+        for sub in minibatches:
             tokens = sub.fields["loss_mask"].float().sum().to(self.device)
             dist.all_reduce(tokens, group=g.dp)
             lens = sub.seqlens_padded
             bins = allocate_micro_batches_synced(lens, self.cfg.mb_spec.max_tokens_per_mb, group=g.dp,
                                                  min_mbs=min(g.pp_size, len(lens)))
-            micro = [sub.select(b) for b in bins]
+            micro = sub.select_many(bins)
             n_mb = len(micro)
 
             def loss_func(mb, logits, n_mb=n_mb, tokens=tokens):

@@ -45,9 +45,13 @@ class PackedBatch:
 
     def select(self, indices: Sequence[int]) -> PackedBatch:
         """The sub-batch of the given sequences, in that order, with the same padding."""
+        return self.select_many([indices])[0]
+
+    def select_many(self, groups: Sequence[Sequence[int]]) -> list[PackedBatch]:
+        """One sub-batch per group of sequence indices (e.g. micro-batches); unpacks once."""
         seqs, fields = unpack(self)
-        return pack([seqs[i] for i in indices], {k: [v[i] for i in indices] for k, v in fields.items()},
-                    pad_to_multiple_of=self.pad_to_multiple_of)
+        return [pack([seqs[i] for i in g], {k: [v[i] for i in g] for k, v in fields.items()},
+                     pad_to_multiple_of=self.pad_to_multiple_of) for g in groups]
 
     def split(self, values_T: torch.Tensor) -> list[torch.Tensor]:
         """Cuts any per-token tensor of this layout back into per-sequence tensors."""
