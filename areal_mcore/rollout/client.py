@@ -1,0 +1,269 @@
+"""Async client for a fleet of SGLang (or embedded) servers.
+
+``generate`` sends token ids to the least-loaded healthy server and fails over to another
+on connection errors, timeouts and 5xx, keeping the request id: each call returns exactly
+one completion. A completion aborted by ``pause_generation`` or a weight update is
+resubmitted with what it has generated so far (the server holds it until
+``continue_generation``), and each token remembers the weight version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from areal_mcore.rollout.protocol import LAST_OLD_API, SamplingParams, parse_version
+
+log = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """A request that no server could serve, or a server that refused an admin call."""
+
+
+@dataclass(kw_only=True)
+class ClientConfig:
+    addresses: list[str]
+    request_timeout_s: float = 3600.0
+    max_attempts: int = 4  # servers tried for one chunk before giving up
+    retry_delay_s: float = 0.2
+    api_key: str | None = None
+    max_connections: int = 1024
+
+    def __post_init__(self):
+        if not self.addresses:
+            raise ValueError("rollout.client.addresses is empty: launch servers first")
+        if self.max_attempts < 1:
+            raise ValueError("rollout.client.max_attempts must be >= 1")
+
+
+@dataclass
+class Completion:
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # weight version of each output token
+    finish_reason: dict | None = None
+    attempts: int = 0  # failed attempts (failovers) along the way
+
+
+@dataclass
+class _Server:
+    address: str
+    in_flight: int = 0
+    healthy: bool = True
+    version: tuple[int, ...] = ()
+    tp_size: int = 1
+
+    @property
+    def old_api(self) -> bool:
+        return bool(self.version) and self.version <= LAST_OLD_API
+
+
+class _Retryable(Exception):
+    pass
+
+
+class RolloutClient:
+    """Use as ``async with RolloutClient(cfg) as client:``."""
+
+    def __init__(self, cfg: ClientConfig):
+        self.cfg = cfg
+        self.servers = [_Server(a) for a in cfg.addresses]
+        self._cancelled: set[str] = set()
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> RolloutClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        self._session = aiohttp.ClientSession(
+            headers=headers, connector=aiohttp.TCPConnector(limit=self.cfg.max_connections))
+        await asyncio.gather(*[self._detect(s) for s in self.servers])
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _detect(self, s: _Server) -> None:
+        """SGLang <= 0.5.20 names the info route /get_server_info and has no begin/end."""
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                info = await self._request(s, "GET", path, timeout=30)
+            except RolloutError:
+                continue
+            s.version = parse_version(str(info.get("version", "")))
+            s.tp_size = int(info.get("tp_size", 1))
+            return
+        raise RolloutError(f"{s.address}: neither /server_info nor /get_server_info answered")
+
+    # ---- generation --------------------------------------------------------------------
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, *,
+                       rid: str | None = None) -> Completion:
+        """One completion of ``input_ids``; see the module docstring for the guarantees."""
+        c = Completion(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids))
+        failed: set[str] = set()
+        while True:
+            remaining = sampling.max_new_tokens - len(c.output_ids)
+            params = dataclasses.replace(
+                sampling, max_new_tokens=remaining,
+                min_new_tokens=max(0, sampling.min_new_tokens - len(c.output_ids)))
+            body = {"input_ids": c.input_ids + c.output_ids, "sampling_params": params.to_json(),
+                    "return_logprob": True, "rid": c.rid}
+            server = await self._choose(failed)
+            server.in_flight += 1
+            try:
+                out = await self._request(server, "POST", "/generate", body,
+                                          timeout=self.cfg.request_timeout_s, retryable=True)
+            except _Retryable as e:
+                c.attempts += 1
+                failed.add(server.address)
+                log.warning("rid %s failed on %s (%s); %d attempt(s) so far", c.rid,
+                            server.address, e, c.attempts)
+                if c.attempts >= self.cfg.max_attempts:
+                    raise RolloutError(f"rid {c.rid}: {c.attempts} attempts failed, last on "
+                                       f"{server.address}: {e}") from None
+                await asyncio.sleep(self.cfg.retry_delay_s)
+                continue
+            finally:
+                server.in_flight -= 1
+            meta = out["meta_info"]
+            chunk = out["output_ids"]
+            c.output_ids += chunk
+            c.logprobs += [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
+            c.versions += [str(meta.get("weight_version"))] * len(chunk)
+            c.finish_reason = meta["finish_reason"]
+            if (c.finish_reason["type"] == "abort" and c.rid not in self._cancelled
+                    and len(chunk) < remaining):
+                continue  # aborted by a pause or a weight update: resume where it stopped
+            self._cancelled.discard(c.rid)
+            return c
+
+    async def _choose(self, failed: set[str]) -> _Server:
+        """The healthy server with the fewest requests in flight, preferring untried ones."""
+        for _ in range(2):
+            ok = [s for s in self.servers if s.healthy]
+            fresh = [s for s in ok if s.address not in failed]
+            if fresh or ok:
+                return min(fresh or ok, key=lambda s: s.in_flight)
+            await self.check_health()
+        raise RolloutError(f"no healthy rollout server among {self.cfg.addresses}")
+
+    async def check_health(self) -> list[bool]:
+        """Probes ``/health`` on every server and marks each healthy or not."""
+        async def probe(s: _Server) -> bool:
+            try:
+                await self._request(s, "GET", "/health", timeout=10, parse=False)
+                s.healthy = True
+            except RolloutError:
+                s.healthy = False
+            return s.healthy
+        return list(await asyncio.gather(*[probe(s) for s in self.servers]))
+
+    async def _request(self, s: _Server, method: str, path: str, body: dict | None = None, *,
+                       timeout: float, retryable: bool = False, parse: bool = True):
+        url = f"http://{s.address}{path}"
+        try:
+            async with self._session.request(method, url, json=body,
+                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                text = await r.text()
+                if r.status >= 500 and retryable:
+                    raise _Retryable(f"HTTP {r.status}: {text[:200]}")
+                if r.status >= 400:
+                    raise RolloutError(f"{s.address}{path}: HTTP {r.status}: {text[:500]}")
+                return (await r.json(content_type=None) if text else None) if parse else text
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+            s.healthy = isinstance(e, asyncio.TimeoutError)  # a timeout is slow, not dead
+            if isinstance(e, asyncio.TimeoutError) and path == "/generate" and body:
+                # The server may still be generating it; free its slot there.
+                asyncio.ensure_future(self._abort_on(s, body["rid"]))
+            if retryable:
+                raise _Retryable(f"{type(e).__name__}: {e}") from None
+            raise RolloutError(f"{s.address}{path}: {type(e).__name__}: {e}") from None
+
+    async def _abort_on(self, s: _Server, rid: str) -> None:
+        try:
+            await self._request(s, "POST", "/abort_request", {"rid": rid}, timeout=10)
+        except RolloutError:
+            pass
+
+    # ---- fleet control -----------------------------------------------------------------
+    async def _all(self, method: str, path: str, body: dict | None = None, *,
+                   servers: list[_Server] | None = None, timeout: float = 600.0) -> list:
+        servers = self.servers if servers is None else servers
+        return list(await asyncio.gather(*[self._request(s, method, path, body, timeout=timeout)
+                                           for s in servers]))
+
+    async def abort(self, rid: str) -> None:
+        """Cancels one request everywhere; ``generate`` then returns it as aborted."""
+        self._cancelled.add(rid)
+        await self._all("POST", "/abort_request", {"rid": rid})
+
+    async def abort_all(self) -> None:
+        await self._all("POST", "/abort_request", {"abort_all": True})
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._all("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_(self) -> None:
+        await self._all("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._all("POST", "/flush_cache")
+
+    async def weight_versions(self) -> list[str]:
+        async def one(s: _Server) -> str:
+            path = "/get_weight_version" if s.old_api else "/model_info"
+            return str((await self._request(s, "GET", path, timeout=30))["weight_version"])
+        return list(await asyncio.gather(*[one(s) for s in self.servers]))
+
+    def weight_group_world_size(self) -> int:
+        """Trainer rank 0 plus every server's TP ranks."""
+        return 1 + sum(s.tp_size for s in self.servers)
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int,
+                                        group_name: str, backend: str) -> None:
+        """Blocks until every server joined; the trainer must join as rank 0 concurrently."""
+        offsets, off = [], 1
+        for s in self.servers:
+            offsets.append(off)
+            off += s.tp_size
+        world = self.weight_group_world_size()
+        await asyncio.gather(*[self._request(s, "POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": o,
+            "world_size": world, "group_name": group_name, "backend": backend}, timeout=600)
+            for s, o in zip(self.servers, offsets)])
+
+    async def begin_weight_update(self) -> None:
+        await self._all("POST", "/begin_weight_update", {},
+                        servers=[s for s in self.servers if not s.old_api])
+
+    async def end_weight_update(self) -> None:
+        await self._all("POST", "/end_weight_update", {},
+                        servers=[s for s in self.servers if not s.old_api])
+
+    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str,
+                                              weight_version: str | None = None,
+                                              flush_cache: bool = True) -> None:
+        """Servers allocate and receive by ``broadcast(src=0)``; the trainer sends meanwhile."""
+        await self._all("POST", "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache, "weight_version": weight_version})
+
+    async def update_weights_from_disk(self, model_path: str, *,
+                                       weight_version: str | None = None) -> None:
+        await self._all("POST", "/update_weights_from_disk",
+                        {"model_path": model_path, "weight_version": weight_version})

@@ -1,0 +1,264 @@
+"""Rollout controller: prompts -> groups of sampled completions with rewards.
+
+Synchronous mode (``rollout_batch``) samples a batch with the current weights. Async mode
+(``start`` / ``prepare_batch``) keeps groups in flight while the trainer trains, with
+AReaL's capacity rule bounding how stale a sample can be::
+
+    capacity = min(max_concurrent - running,
+                   (max_head_offpolicyness + version + 1) * batch_size - (accepted + running))
+
+``accepted`` counts groups consumed or ready; it is restored from a checkpoint as the
+number consumed, so the bound holds across resume. A group is also checked when it is
+handed out: if its admission version is more than ``max_head_offpolicyness`` behind (a
+slow group overtaken by newer ones), it is dropped and counted, never trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+from areal_mcore.data.prompts import Prompt
+from areal_mcore.rollout.client import Completion, RolloutClient
+from areal_mcore.rollout.protocol import SamplingParams
+
+RewardFn = Callable[[list[str], list[list[str]]], Awaitable[list[float]]]
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    max_new_tokens: int
+    n_samples: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_concurrent_rollouts: int = 64  # prompt groups in flight
+    max_head_offpolicyness: int = 4
+    seed: int = 1
+
+    def __post_init__(self):
+        if self.n_samples < 1 or self.max_concurrent_rollouts < 1:
+            raise ValueError("rollout.n_samples and rollout.max_concurrent_rollouts must be >= 1")
+        if self.max_head_offpolicyness < 0:
+            raise ValueError("rollout.max_head_offpolicyness must be >= 0")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k,
+                              stop_token_ids=list(self.stop_token_ids))
+
+
+@dataclass
+class Sample:
+    group: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]  # weight version that produced each output token
+    reward: float
+    finish_reason: str  # stop | length | abort
+    start_version: int  # trainer version when the group was admitted
+    failovers: int = 0
+
+
+@dataclass
+class RolloutBatch:
+    samples: list[Sample]
+    version: int  # trainer version the batch is handed to
+    stats: dict[str, float]
+
+
+class PromptsExhausted(RuntimeError):
+    """The prompt iterator ended before a full batch was ready."""
+
+
+def _version(text: str) -> int:
+    """Weight versions are step numbers; SGLang's initial 'default' is version 0."""
+    return int(text) if text.lstrip("-").isdigit() else 0
+
+
+class RolloutController:
+    def __init__(self, cfg: RolloutConfig, client: RolloutClient, reward_fn: RewardFn,
+                 decode: Callable[[list[int]], str]):
+        self.cfg = cfg
+        self.client = client
+        self.reward_fn = reward_fn
+        self.decode = decode
+        self.version = 0
+        self.running = 0  # groups in flight
+        self.accepted = 0  # groups ready or consumed
+        self.consumed = 0
+        self.dropped_stale = 0
+        self.max_running_seen = 0
+        self._next_group = 0
+        self._nonce = uuid.uuid4().hex[:8]  # rids stay unique across restarts
+        self._reward_lock = asyncio.Lock()  # the reward pool serves one call at a time
+        self._ready: deque[list[Sample]] = deque()
+        self._changed = asyncio.Event()
+        self._paused = False
+        self._task: asyncio.Task | None = None
+        self._groups: set[asyncio.Task] = set()
+        self._error: BaseException | None = None
+
+    # ---- one group -----------------------------------------------------------------------
+    async def _group(self, gid: int, prompt: Prompt, start_version: int) -> list[Sample]:
+        base = self.cfg.sampling()
+        # Seeds depend on (seed, group, sample) only: a failed-over sample is redrawn the
+        # same way, and a rerun draws the same batch.
+        comps: list[Completion] = await asyncio.gather(*[
+            self.client.generate(prompt.input_ids, dataclasses.replace(
+                base, sampling_seed=(self.cfg.seed * 1_000_003 + gid) * 1009 + j),
+                rid=f"g{gid}s{j}-{self._nonce}")
+            for j in range(self.cfg.n_samples)])
+        texts = [self.decode(c.output_ids) for c in comps]
+        async with self._reward_lock:
+            rewards = await self.reward_fn(texts, [list(prompt.solutions)] * len(comps))
+        return [Sample(group=gid, prompt_ids=list(prompt.input_ids), output_ids=c.output_ids,
+                       logprobs=c.logprobs, versions=[_version(v) for v in c.versions],
+                       reward=float(r), finish_reason=c.finish_reason["type"],
+                       start_version=start_version, failovers=c.attempts)
+                for c, r in zip(comps, rewards)]
+
+    # ---- synchronous mode --------------------------------------------------------------
+    async def rollout_batch(self, prompts: list[Prompt]) -> RolloutBatch:
+        """All groups of ``prompts`` with the current weights, at most
+        ``max_concurrent_rollouts`` groups in flight."""
+        gate = asyncio.Semaphore(self.cfg.max_concurrent_rollouts)
+
+        async def bounded(p: Prompt) -> list[Sample]:
+            async with gate:
+                gid = self._next_group
+                self._next_group += 1
+                return await self._group(gid, p, self.version)
+
+        groups = await asyncio.gather(*[bounded(p) for p in prompts])
+        self.consumed += len(groups)
+        self.accepted += len(groups)
+        return self._batch(groups)
+
+    # ---- async mode --------------------------------------------------------------------
+    def capacity(self, batch_size: int) -> int:
+        c = self.cfg
+        return min(c.max_concurrent_rollouts - self.running,
+                   (c.max_head_offpolicyness + self.version + 1) * batch_size
+                   - (self.accepted + self.running))
+
+    def start(self, prompts: Iterator[Prompt], batch_size: int) -> None:
+        """Starts admitting groups from ``prompts`` in the background."""
+        self._task = asyncio.ensure_future(self._admit(prompts, batch_size))
+
+    async def _admit(self, prompts: Iterator[Prompt], batch_size: int) -> None:
+        try:
+            while True:
+                if not self._paused:
+                    for _ in range(max(0, self.capacity(batch_size))):
+                        prompt = next(prompts, None)
+                        if prompt is None:
+                            return
+                        self._launch(prompt)
+                self._changed.clear()
+                await self._changed.wait()
+        except Exception as e:  # noqa: BLE001 - surfaced by prepare_batch
+            self._error = e
+            self._changed.set()
+
+    def _launch(self, prompt: Prompt) -> None:
+        gid, start = self._next_group, self.version
+        self._next_group += 1
+        self.running += 1
+        self.max_running_seen = max(self.max_running_seen, self.running)
+        task = asyncio.ensure_future(self._group(gid, prompt, start))
+        self._groups.add(task)
+        task.add_done_callback(self._landed)
+
+    def _landed(self, task: asyncio.Task) -> None:
+        self._groups.discard(task)
+        self.running -= 1
+        if task.cancelled():
+            pass
+        elif task.exception() is not None:
+            self._error = task.exception()
+        else:
+            self.accepted += 1
+            self._ready.append(task.result())
+        self._changed.set()
+
+    async def prepare_batch(self, batch_size: int) -> RolloutBatch:
+        """Waits for ``batch_size`` groups fresh enough for the current version."""
+        while True:
+            if self._error is not None:
+                raise self._error
+            oldest = self.version - self.cfg.max_head_offpolicyness
+            for group in [g for g in self._ready if g[0].start_version < oldest]:
+                self._ready.remove(group)
+                self.dropped_stale += 1
+                self.accepted -= 1  # frees capacity for a fresh group
+            if len(self._ready) >= batch_size:
+                groups = [self._ready.popleft() for _ in range(batch_size)]
+                self.consumed += batch_size
+                self._changed.set()
+                return self._batch(groups)
+            if self._task is not None and self._task.done() and not self._groups:
+                raise PromptsExhausted(f"prompts ran out with {len(self._ready)} group(s) ready, "
+                                       f"{batch_size} needed")
+            self._changed.clear()
+            await self._changed.wait()
+
+    def set_version(self, version: int) -> None:
+        """Call after the servers serve ``version``: admission then counts against it."""
+        self.version = version
+        self._changed.set()
+
+    async def pause(self) -> None:
+        """Stops admitting; running requests are aborted on the servers and resubmitted by
+        the client, where they wait until ``resume``. Counters are untouched."""
+        self._paused = True
+        await self.client.pause(mode="abort")
+
+    async def resume(self) -> None:
+        await self.client.continue_()
+        self._paused = False
+        self._changed.set()
+
+    async def stop(self) -> None:
+        for task in [self._task, *self._groups]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*[t for t in [self._task, *self._groups] if t], return_exceptions=True)
+
+    def state_dict(self) -> dict:
+        return {"version": self.version, "consumed": self.consumed, "next_group": self._next_group,
+                "dropped_stale": self.dropped_stale}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Groups in flight at checkpoint time died with the process: only consumed ones count.
+        self.version = state["version"]
+        self.consumed = self.accepted = state["consumed"]
+        self._next_group = state["next_group"]
+        self.dropped_stale = state["dropped_stale"]
+
+    # ---- batch + stats -----------------------------------------------------------------
+    def _batch(self, groups: list[list[Sample]]) -> RolloutBatch:
+        samples = [s for g in groups for s in g]
+        n = max(1, len(samples))
+        lens = [len(s.output_ids) for s in samples] or [0]
+        stale = [self.version - s.start_version for s in samples] or [0]
+        stats = {
+            "rollout/n_samples": float(len(samples)),
+            "rollout/response_len_mean": sum(lens) / n,
+            "rollout/response_len_max": float(max(lens)),
+            "rollout/prompt_len_mean": sum(len(s.prompt_ids) for s in samples) / n,
+            "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in samples) / n,
+            "rollout/no_eos_ratio": sum(s.finish_reason != "stop" for s in samples) / n,
+            "rollout/reward_mean": sum(s.reward for s in samples) / n,
+            "rollout/staleness_mean": sum(stale) / n,
+            "rollout/staleness_max": float(max(stale)),
+            "rollout/dropped_stale": float(self.dropped_stale),
+            "rollout/failovers": float(sum(s.failovers for s in samples)),
+        }
+        return RolloutBatch(samples=samples, version=self.version, stats=stats)

@@ -1,0 +1,302 @@
+"""Continuous-batching decoder over a transformers causal LM, for the embedded server.
+
+Legend: B running requests, N joining requests, L cached length, V vocab.
+
+One engine thread owns the model. Requests that arrive together are prefilled together;
+between decode steps new requests join: their KV cache is left-padded to the running
+batch's length and concatenated along the batch, and an attention mask hides the padding.
+Finished requests leave by index-select, and cache columns that became padding in every
+row are trimmed. Control work (weight loads, flush checks) runs on the same thread
+between steps, so it never interleaves with a forward pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from areal_mcore.rollout.protocol import SamplingParams, finish_abort, finish_length, finish_stop
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    on_done: Callable[[Request], None]  # called on the engine thread
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict | None = None
+    weight_version: str = ""
+    abort_message: str | None = None
+
+
+class DecodeEngine:
+    """Batched sampling with a KV cache; thread-safe ``submit``/``abort``/``pause``/``call``."""
+
+    def __init__(self, model, *, eos_token_ids: list[int], context_length: int,
+                 max_running_requests: int = 64, seed: int = 0, weight_version: str = "default"):
+        self.model = model
+        # transformers >= 5.2x renamed ``past_key_values`` to ``cache``.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.eos_token_ids = list(eos_token_ids)
+        self.context_length = context_length
+        self.max_running_requests = max_running_requests
+        self.seed = seed
+        self.weight_version = weight_version
+        self.paused = False
+        self.steps = 0
+        self.generated_tokens = 0
+        self._seeded = 0
+        self._cond = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._mask_BL: torch.Tensor | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+        self._thread.start()
+
+    # ---- thread-safe API -------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        if len(req.input_ids) >= self.context_length:
+            raise ValueError(f"prompt has {len(req.input_ids)} tokens; context_length is "
+                             f"{self.context_length}")
+        with self._cond:
+            if any(r.rid == req.rid for r in (*self._running, *self._waiting)):
+                raise ValueError(f"rid {req.rid!r} is already running")
+            seed = req.params.sampling_seed
+            if seed is None:  # per-server seed + arrival order: reproducible for one client
+                seed = self.seed * 1_000_003 + self._seeded
+                self._seeded += 1
+            req.generator = torch.Generator().manual_seed(seed)
+            if req.params.max_new_tokens == 0:  # nothing to sample: answer without a step
+                self._done(req, finish_length(0))
+                return
+            self._waiting.append(req)
+            self._cond.notify()
+
+    def abort(self, rid: str | None = None, *, abort_all: bool = False,
+              message: str = "Abort requested") -> int:
+        """Marks requests aborted; they finish with their partial output. Returns the count."""
+        with self._cond:
+            hits = [r for r in (*self._running, *self._waiting) if abort_all or r.rid == rid]
+            for r in hits:
+                r.abort_message = message
+            self._cond.notify()
+        return len(hits)
+
+    def pause(self, mode: str) -> None:
+        """``abort``: abort everything, then hold new requests; ``in_place``/``retract``: keep
+        running requests and their KV cache, stop stepping (CPU has no KV memory to free,
+        so retract behaves like in_place)."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise ValueError(f"pause_generation mode must be abort, in_place or retract, got {mode!r}")
+        with self._cond:
+            self.paused = True
+        if mode == "abort":
+            self.abort(abort_all=True, message="Aborted by pause_generation")
+        # Returns at a step boundary: no step runs after this (aborted requests answered).
+        self.call(lambda: None).result()
+
+    def resume(self) -> None:
+        with self._cond:
+            self.paused = False
+            self._cond.notify()
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Runs ``fn`` on the engine thread between decode steps."""
+        fut: Future = Future()
+        with self._cond:
+            self._calls.append((fn, fut))
+            self._cond.notify()
+        return fut
+
+    @property
+    def num_running(self) -> int:
+        with self._cond:
+            return len(self._running) + len(self._waiting)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    # ---- engine thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopped or self._calls or self._has_aborts() or
+                           (not self.paused and (self._waiting or self._running))):
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                calls = list(self._calls)
+                self._calls.clear()
+                self._finish_aborted()
+                joining = []
+                while (not self.paused and self._waiting
+                       and len(self._running) + len(joining) < self.max_running_requests):
+                    joining.append(self._waiting.popleft())
+            for fn, fut in calls:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+            with torch.inference_mode():
+                if joining:
+                    self._prefill(joining)
+                elif self._running and not self.paused:
+                    self._decode_step()
+
+    def _has_aborts(self) -> bool:
+        return any(r.abort_message for r in (*self._running, *self._waiting))
+
+    def _finish_aborted(self) -> None:  # holds the lock
+        for r in [r for r in self._waiting if r.abort_message]:
+            self._waiting.remove(r)
+            self._done(r, finish_abort(r.abort_message))
+        gone = [i for i, r in enumerate(self._running) if r.abort_message]
+        for i in gone:
+            self._done(self._running[i], finish_abort(self._running[i].abort_message))
+        self._drop(gone)
+
+    def _prefill(self, joining: list[Request]) -> None:
+        n, length = len(joining), max(len(r.input_ids) for r in joining)
+        ids_NL = torch.zeros(n, length, dtype=torch.long)
+        mask_NL = torch.zeros(n, length, dtype=torch.long)
+        for i, r in enumerate(joining):  # left padding keeps every row's last token at -1
+            ids_NL[i, length - len(r.input_ids):] = torch.tensor(r.input_ids)
+            mask_NL[i, length - len(r.input_ids):] = 1
+        logits_NV, kv = self._forward(ids_NL, mask_NL, None)
+        if self._kv is None:
+            self._kv, self._mask_BL = kv, mask_NL
+        else:
+            width = max(self._mask_BL.shape[1], length)
+            old = [tuple(_left_pad(t, width, dim=2) for t in pair) for pair in self._kv]
+            new = [tuple(_left_pad(t, width, dim=2) for t in pair) for pair in kv]
+            self._kv = [(torch.cat([ok, nk]), torch.cat([ov, nv]))
+                        for (ok, ov), (nk, nv) in zip(old, new)]
+            self._mask_BL = torch.cat([_left_pad(self._mask_BL, width, dim=1),
+                                       _left_pad(mask_NL, width, dim=1)])
+        with self._cond:
+            self._running.extend(joining)
+        self._sample_and_finish(logits_NV, first_row=len(self._running) - n)
+
+    def _decode_step(self) -> None:
+        last_B1 = torch.tensor([[r.output_ids[-1]] for r in self._running])
+        mask_BL = torch.cat([self._mask_BL, torch.ones(len(self._running), 1, dtype=torch.long)], 1)
+        logits_BV, self._kv = self._forward(last_B1, mask_BL, self._kv)
+        self._mask_BL = mask_BL
+        self._sample_and_finish(logits_BV, first_row=0)
+
+    def _forward(self, ids_BL, mask_BL, kv):
+        from transformers import DynamicCache
+
+        width = mask_BL.shape[1]
+        # Positions count real tokens only, so a left-padded row sees the same positions
+        # as the unpadded sequence would.
+        pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)[:, width - ids_BL.shape[1]:]
+        cache = DynamicCache(ddp_cache_data=kv, config=self.model.config) if kv else \
+            DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=pos_BL,
+                         use_cache=True, **{self._cache_kwarg: cache})
+        self.steps += 1
+        new_kv = [(layer.keys, layer.values) for layer in cache.layers]  # filled in place
+        return out.logits[:, -1, :].float(), new_kv
+
+    def _sample_and_finish(self, logits_BV: torch.Tensor, first_row: int) -> None:
+        finished = []
+        for j in range(logits_BV.shape[0]):
+            i = first_row + j
+            r = self._running[i]
+            token, logprob = _sample(logits_BV[j], r, self.eos_token_ids)
+            r.output_ids.append(token)
+            r.logprobs.append(logprob)
+            self.generated_tokens += 1
+            reason = self._finish_reason(r, token)
+            if reason is not None:
+                self._done(r, reason)
+                finished.append(i)
+        if finished:
+            with self._cond:
+                self._drop(finished)
+
+    def _finish_reason(self, r: Request, token: int) -> dict | None:
+        p = r.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        if token in stops and len(r.output_ids) >= p.min_new_tokens:
+            return finish_stop(token)
+        if len(r.output_ids) >= p.max_new_tokens:
+            return finish_length(len(r.output_ids))
+        if len(r.input_ids) + len(r.output_ids) >= self.context_length:
+            return finish_length(len(r.output_ids))
+        return None
+
+    def _done(self, r: Request, reason: dict) -> None:
+        r.finish_reason, r.weight_version = reason, self.weight_version
+        r.on_done(r)
+
+    def _drop(self, rows: list[int]) -> None:
+        """Removes finished rows from the batch and trims all-padding cache columns."""
+        if not rows:
+            return
+        keep = [i for i in range(len(self._running)) if i not in set(rows)]
+        self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._kv = self._mask_BL = None
+            return
+        idx = torch.tensor(keep)
+        mask_BL = self._mask_BL.index_select(0, idx)
+        start = int((mask_BL.sum(0) > 0).nonzero()[0])
+        self._mask_BL = mask_BL[:, start:]
+        self._kv = [(k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:])
+                    for k, v in self._kv]
+
+
+def _sample(logits_V: torch.Tensor, r: Request, eos_token_ids: list[int]) -> tuple[int, float]:
+    """One token for one request. The returned logprob is the sampled token's under the
+    temperature-scaled distribution before top-k/top-p truncation (SGLang's default);
+    greedy (temperature 0) reports the unscaled log-softmax."""
+    p = r.params
+    if len(r.output_ids) < p.min_new_tokens:
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        if banned:
+            logits_V = logits_V.clone()
+            logits_V[list(banned)] = float("-inf")
+    if p.temperature == 0 or p.top_k == 1:
+        logp_V = F.log_softmax(logits_V, dim=-1)
+        token = int(torch.argmax(logits_V))
+        return token, float(logp_V[token])
+    scaled_V = logits_V / p.temperature
+    logp_V = F.log_softmax(scaled_V, dim=-1)
+    if p.top_k > 0 and p.top_k < scaled_V.numel():
+        kth = torch.topk(scaled_V, p.top_k).values[-1]
+        scaled_V = scaled_V.masked_fill(scaled_V < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_V, order = torch.sort(scaled_V, descending=True)
+        cum = torch.softmax(sorted_V, -1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_V, -1) > p.top_p  # keep the token that crosses top_p
+        scaled_V = scaled_V.scatter(0, order[drop], float("-inf"))
+    token = int(torch.multinomial(torch.softmax(scaled_V, -1), 1, generator=r.generator))
+    return token, float(logp_V[token])
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)

@@ -1,0 +1,154 @@
+"""Starts rollout servers as subprocesses: SGLang on GPUs, the embedded server on CPU.
+
+Both are launched from one ``ServerConfig``; each server gets its own port and its own
+random seed (``seed + index``), so n servers never draw the same samples.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+BACKENDS = ("sglang", "embedded")
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    model_path: str
+    backend: str = "embedded"
+    n_servers: int = 1
+    tp_size: int = 1
+    mem_fraction_static: float = 0.9
+    context_length: int = 32768
+    dtype: str = "bfloat16"
+    seed: int = 1
+    host: str = "127.0.0.1"
+    base_port: int | None = None  # None: free ports picked at launch
+    api_key: str | None = None
+    max_running_requests: int = 64
+    skip_tokenizer_init: bool = True
+    log_dir: str = "logs/rollout"
+    startup_timeout_s: float = 600.0
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"rollout.server.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.n_servers < 1 or self.tp_size < 1:
+            raise ValueError("rollout.server.n_servers and tp_size must be >= 1")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"rollout.server.mem_fraction_static must be in (0, 1], "
+                             f"got {self.mem_fraction_static}")
+        if self.backend == "embedded" and self.tp_size != 1:
+            raise ValueError("the embedded server runs one process per server: tp_size must be 1")
+
+
+def server_command(cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
+    """The command line of one server."""
+    if cfg.backend == "sglang":
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
+               "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static),
+               "--context-length", str(cfg.context_length), "--random-seed", str(seed),
+               "--dtype", cfg.dtype, "--host", cfg.host, "--port", str(port),
+               "--max-running-requests", str(cfg.max_running_requests)]
+        if cfg.skip_tokenizer_init:
+            cmd.append("--skip-tokenizer-init")
+    else:
+        cmd = [sys.executable, "-m", "areal_mcore.rollout.server", "--model-path", cfg.model_path,
+               "--context-length", str(cfg.context_length), "--random-seed", str(seed),
+               "--dtype", cfg.dtype, "--host", cfg.host, "--port", str(port),
+               "--max-running-requests", str(cfg.max_running_requests)]
+    if cfg.api_key:
+        cmd += ["--api-key", cfg.api_key]
+    return cmd + list(cfg.extra_args)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One server subprocess in its own session (so stop() takes its children too)."""
+
+    def __init__(self, cmd: list[str], *, host: str, port: int, log_path: str,
+                 env: dict | None = None):
+        self.cmd, self.host, self.port, self.log_path = cmd, host, port, log_path
+        os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=env)
+
+    @property
+    def address(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"{host}:{self.port}"
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Polls ``/health``; raises with the log tail if the process dies or times out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"rollout server exited with code {self.proc.returncode} before "
+                                   f"it was healthy ({' '.join(self.cmd[:4])} ...); last log lines "
+                                   f"of {self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://{self.address}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"rollout server {self.address} not healthy after {timeout_s:.0f} s; "
+                           f"log {self.log_path}:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        with open(self.log_path, "rb") as f:
+            return b"".join(f.readlines()[-lines:]).decode(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group, no grace (what a node failure looks like)."""
+        self._signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+    def _signal(self, sig) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def launch_servers(cfg: ServerConfig, *, env: dict | None = None) -> list[ServerProcess]:
+    """Starts ``cfg.n_servers`` servers and waits until each answers ``/health``."""
+    servers: list[ServerProcess] = []
+    try:
+        for i in range(cfg.n_servers):
+            port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
+            servers.append(ServerProcess(
+                server_command(cfg, port=port, seed=cfg.seed + i), host=cfg.host, port=port,
+                log_path=os.path.join(cfg.log_dir, f"server{i}.log"), env=env))
+        for s in servers:
+            s.wait_healthy(cfg.startup_timeout_s)
+    except BaseException:
+        for s in servers:
+            s.stop(grace_s=2)
+        raise
+    return servers

@@ -1,0 +1,395 @@
+"""Embedded rollout server: SGLang's HTTP API (the subset in DESIGN.md) over a transformers
+model on CPU, so the whole RL loop runs where SGLang cannot.
+
+    python -m areal_mcore.rollout.server --model-path HF_DIR --port 30000
+
+Runs with SGLang's ``skip_tokenizer_init`` semantics: token ids in, token ids out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+import torch
+from aiohttp import web
+
+from areal_mcore.rollout import weights as W
+from areal_mcore.rollout.engine import DecodeEngine, Request
+from areal_mcore.rollout.protocol import SGLANG_API_VERSION, SamplingParams
+
+log = logging.getLogger("areal_mcore.rollout.server")
+ENGINE_KEY = web.AppKey("engine", DecodeEngine)
+STATE_KEY = web.AppKey("state", object)
+
+
+@dataclass(kw_only=True)
+class ServerArgs:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    random_seed: int = 0
+    dtype: str = "float32"
+    context_length: int | None = None
+    max_running_requests: int = 64
+    weight_version: str = "default"
+
+    def __post_init__(self):
+        if self.dtype not in W.DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(W.DTYPES)}, got {self.dtype!r}")
+
+
+class _State:
+    def __init__(self, args: ServerArgs, model):
+        self.args = args
+        self.model = model
+        self.groups: dict[str, object] = {}
+        self.updating = False  # between begin_weight_update and end_weight_update
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"object": "error", "message": message, "type": "BadRequest"
+                              if status == 400 else "Error", "code": status}, status=status)
+
+
+def _result(ok: bool, message: str) -> web.Response:
+    return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+
+
+async def _body(request: web.Request) -> dict:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=f"request body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="request body must be a JSON object")
+    return body
+
+
+def _api_key_middleware(key: str):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        # SGLang leaves the health probe open so that load balancers can use it.
+        if request.path not in ("/health", "/health_generate") and \
+                request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+    return check
+
+
+def build_app(args: ServerArgs, engine: DecodeEngine, model) -> web.Application:
+    middlewares = [_api_key_middleware(args.api_key)] if args.api_key else []
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 2**20)
+    app[ENGINE_KEY] = engine
+    app[STATE_KEY] = _State(args, model)
+    r = app.router
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, model_info)
+    r.add_get("/server_info", server_info)
+    r.add_post("/generate", generate)
+    r.add_post("/abort_request", abort_request)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
+    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_post("/init_weights_update_group", init_weights_update_group)
+    r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
+    r.add_post("/begin_weight_update", begin_weight_update)
+    r.add_post("/end_weight_update", end_weight_update)
+    r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_route("*", "/get_weights_by_name", get_weights_by_name)
+    return app
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    st, eng = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    return web.json_response({"model_path": st.args.model_path, "tokenizer_path": None,
+                              "is_generation": True, "preferred_sampling_params": None,
+                              "weight_version": eng.weight_version})
+
+
+async def server_info(request: web.Request) -> web.Response:
+    st, eng = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    return web.json_response({
+        "version": SGLANG_API_VERSION, "engine": "areal-mcore-embedded",
+        "model_path": st.args.model_path, "random_seed": st.args.random_seed,
+        "dtype": st.args.dtype, "context_length": eng.context_length, "tp_size": 1,
+        "skip_tokenizer_init": True, "max_running_requests": eng.max_running_requests,
+        "weight_version": eng.weight_version,
+        "internal_states": [{"num_running_reqs": eng.num_running, "paused": eng.paused,
+                             "decode_steps": eng.steps, "generated_tokens": eng.generated_tokens}],
+    })
+
+
+def _meta(req: Request, return_logprob: bool) -> dict:
+    meta = {"id": req.rid, "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
+            "cached_tokens": 0, "weight_version": req.weight_version}
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+    return meta
+
+
+async def _run_one(engine: DecodeEngine, rid: str, input_ids, params: SamplingParams) -> Request:
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def on_done(req: Request) -> None:  # engine thread -> event loop
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(req))
+
+    if not (isinstance(input_ids, list) and input_ids
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids)):
+        raise ValueError("input_ids must be a non-empty list of token ids (ints)")
+    req = Request(rid=rid, input_ids=input_ids, params=params, on_done=on_done)
+    engine.submit(req)
+    try:
+        return await done
+    except asyncio.CancelledError:  # client went away (or timed out): free the slot
+        engine.abort(rid, message="client disconnected")
+        raise
+
+
+async def generate(request: web.Request) -> web.Response:
+    body = await _body(request)
+    engine = request.app[ENGINE_KEY]
+    if body.get("text") is not None:
+        return _error(400, "the embedded server runs with skip_tokenizer_init: send input_ids, not text")
+    if body.get("stream"):
+        return _error(400, "stream=true is not supported by the embedded server")
+    ids = body.get("input_ids")
+    batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    try:
+        sampling = body.get("sampling_params") or {}
+        rids = body.get("rid")
+        if batched:
+            n = len(ids)
+            samplings = sampling if isinstance(sampling, list) else [sampling] * n
+            rids = rids if isinstance(rids, list) else [uuid.uuid4().hex for _ in range(n)]
+            if len(samplings) != n or len(rids) != n:
+                raise ValueError(f"{n} input_ids need {n} sampling_params and {n} rids")
+            params = [SamplingParams.from_json(s) for s in samplings]
+            reqs = await asyncio.gather(*[_run_one(engine, str(rid), i, p)
+                                          for rid, i, p in zip(rids, ids, params)])
+        else:
+            reqs = [await _run_one(engine, str(rids or uuid.uuid4().hex), ids,
+                                   SamplingParams.from_json(sampling))]
+    except ValueError as e:
+        return _error(400, str(e))
+    ret = [{"output_ids": r.output_ids, "meta_info": _meta(r, bool(body.get("return_logprob")))}
+           for r in reqs]
+    return web.json_response(ret if batched else ret[0])
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    body = await _body(request)
+    request.app[ENGINE_KEY].abort(body.get("rid"), abort_all=bool(body.get("abort_all")))
+    return web.Response(status=200)
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    body = await _body(request)
+    try:
+        await asyncio.to_thread(request.app[ENGINE_KEY].pause, body.get("mode", "abort"))
+    except ValueError as e:
+        return _error(400, str(e))
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    st = request.app[STATE_KEY]
+    if not st.updating:  # end_weight_update resumes; a continue must not race it
+        request.app[ENGINE_KEY].resume()
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    # No prefix (radix) cache is kept here, but the idle rule is SGLang's: a flush while
+    # requests run or wait is refused, so callers learn the same discipline on CPU.
+    if request.app[ENGINE_KEY].num_running:
+        return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
+    return web.Response(status=200, text="Cache flushed.\n")
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    body = await _body(request)
+    st = request.app[STATE_KEY]
+    try:
+        name = body["group_name"]
+        group = await asyncio.to_thread(
+            W.init_weight_group, master_address=body["master_address"],
+            master_port=int(body["master_port"]), rank=int(body.get("rank_offset", 1)),
+            world_size=int(body["world_size"]), group_name=name,
+            backend=body.get("backend", "gloo"))
+    except KeyError as e:
+        return _result(False, f"init_weights_update_group needs {e.args[0]!r}")
+    except (ValueError, RuntimeError) as e:
+        return _result(False, f"Failed to init group: {e}")
+    st.groups[name] = group
+    return _result(True, f"Succeeded to init group {name}.")
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    body = await _body(request)
+    group = request.app[STATE_KEY].groups.pop(body.get("group_name", ""), None)
+    return _result(group is not None, "Group destroyed." if group else "No such group.")
+
+
+async def begin_weight_update(request: web.Request) -> web.Response:
+    # Generation stops stepping (requests keep their KV cache) until end_weight_update.
+    request.app[STATE_KEY].updating = True
+    await asyncio.to_thread(request.app[ENGINE_KEY].pause, "in_place")
+    return _result(True, "Weight update begun.")
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    request.app[STATE_KEY].updating = False
+    request.app[ENGINE_KEY].resume()
+    return _result(True, "Weight update ended.")
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    body = await _body(request)
+    st, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    try:
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        group = st.groups[body.get("group_name", "weight_update_group")]
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
+        bad = sorted({d for d in dtypes if d not in W.DTYPES})
+        if bad:
+            raise ValueError(f"dtypes {bad} not in {sorted(W.DTYPES)}")
+        W.check_weights(st.model, names, shapes)
+    except KeyError as e:
+        return _result(False, f"update_weights_from_distributed: missing {e.args[0]!r} "
+                              f"(field, or no group of that name: init_weights_update_group first)")
+    except ValueError as e:
+        return _result(False, f"update_weights_from_distributed: {e}")
+    if body.get("abort_all_requests"):
+        engine.abort(abort_all=True, message="Aborted for a weight update")
+
+    def receive_and_load():
+        # Receive everything before loading anything: a failed broadcast leaves the old
+        # weights whole rather than a mix.
+        received = []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            t = torch.empty(shape, dtype=W.DTYPES[dtype])
+            W.broadcast(group, t, src=0)
+            received.append((name, t))
+        W.load_weights(st.model, received)
+        if body.get("weight_version") is not None:
+            engine.weight_version = str(body["weight_version"])
+
+    try:
+        await asyncio.wrap_future(engine.call(receive_and_load))
+    except RuntimeError as e:
+        return _result(False, f"broadcast failed: {e}")
+    return _result(True, f"Succeeded to update {len(names)} parameters.")
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    body = await _body(request)
+    st, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    path = body.get("model_path")
+    try:
+        if not path:
+            raise ValueError("model_path is required")
+        state = await asyncio.to_thread(W.read_hf_dir, path)
+        W.check_weights(st.model, list(state), [list(t.shape) for t in state.values()])
+    except (ValueError, FileNotFoundError, OSError) as e:
+        return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0},
+                                 status=400)
+    if body.get("abort_all_requests"):
+        engine.abort(abort_all=True, message="Aborted for a weight update")
+
+    def load():
+        W.load_weights(st.model, state.items())
+        if body.get("weight_version") is not None:
+            engine.weight_version = str(body["weight_version"])
+
+    await asyncio.wrap_future(engine.call(load))
+    return web.json_response({"success": True, "message": f"Loaded {len(state)} tensors from {path}.",
+                              "num_paused_requests": 0})
+
+
+async def get_weights_by_name(request: web.Request) -> web.Response:
+    """SGLang's debugging route: the first ``truncate_size`` rows of a parameter."""
+    body = await _body(request)
+    params = dict(request.app[STATE_KEY].model.named_parameters())
+    name = body.get("name")
+    if name not in params:
+        return _error(400, f"unknown weight {name!r}")
+    rows = params[name].detach()[: int(body.get("truncate_size", 100))]
+    return web.json_response(rows.float().tolist())
+
+
+def load_model(args: ServerArgs):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=W.DTYPES[args.dtype],
+                                                 attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+def eos_ids(model) -> list[int]:
+    ids = []
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    return sorted(set(ids))
+
+
+async def serve(args: ServerArgs) -> None:
+    model = load_model(args)
+    context = args.context_length or getattr(model.config, "max_position_embeddings", 32768)
+    engine = DecodeEngine(model, eos_token_ids=eos_ids(model), context_length=context,
+                          max_running_requests=args.max_running_requests, seed=args.random_seed,
+                          weight_version=args.weight_version)
+    runner = web.AppRunner(build_app(args, engine, model), handler_cancellation=True,
+                           access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("embedded rollout server on http://%s:%d (%s)", args.host, args.port, args.model_path)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        engine.close()
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=sorted(W.DTYPES))
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    ns = p.parse_args(argv)
+    if ns.num_threads:
+        torch.set_num_threads(ns.num_threads)
+    return ServerArgs(**{k: v for k, v in vars(ns).items() if k != "num_threads"})
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Weights into a served model: the update process group, and loading HF-named tensors by
+name the way SGLang's ``load_weights`` does (rotary buffers skipped, a tied lm_head
+skipped, an unknown name or a shape mismatch is an error)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def init_weight_group(*, master_address: str, master_port: int, rank: int, world_size: int,
+                      group_name: str, backend: str, timeout_s: float = 600.0) -> dist.ProcessGroup:
+    """A process group outside torch's default group (the trainer already has one).
+
+    Rank 0 (the trainer) hosts the store; blocks until all ``world_size`` ranks joined.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
+                          timeout=timeout)
+    store = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    raise ValueError(f"weight update backend must be gloo or nccl, got {backend!r}")
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
+    group.broadcast(tensor, src).wait()
+
+
+def _skipped(model, name: str) -> bool:
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    return "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
+
+
+def check_weights(model, names: list[str], shapes: list[list[int]]) -> None:
+    """Raises ``ValueError`` naming every unknown name or wrong shape, before any copy."""
+    params = dict(model.named_parameters())
+    errors = []
+    for name, shape in zip(names, shapes, strict=True):
+        if _skipped(model, name):
+            continue
+        if name not in params:
+            errors.append(f"unknown weight {name!r}")
+        elif list(params[name].shape) != list(shape):
+            errors.append(f"{name}: shape {list(shape)} but the served model has "
+                          f"{list(params[name].shape)}")
+    if errors:
+        raise ValueError("; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
+
+
+@torch.no_grad()
+def load_weights(model, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copies tensors into the model's parameters by HF name; returns how many loaded."""
+    params = dict(model.named_parameters())
+    loaded = 0
+    for name, tensor in named:
+        if _skipped(model, name):
+            continue
+        params[name].copy_(tensor)
+        loaded += 1
+    return loaded
+
+
+def read_hf_dir(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint directory (safetensors, single or sharded)."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    state = {}
+    for name in files:
+        state.update(load_file(os.path.join(path, name)))
+    return state

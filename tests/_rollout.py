@@ -1,0 +1,58 @@
+"""Tiny HF checkpoints and embedded servers for the rollout tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from _tiny_model import tiny_qwen2
+
+EOS = 7
+
+
+def tiny_hf_dir(root: str, seed: int = 0) -> str:
+    """A seeded random Qwen2 saved as an HF directory (eos id ``EOS``)."""
+    path = os.path.join(root, f"tiny_hf_{seed}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        _, _, model = tiny_qwen2(seed)
+        model.config.eos_token_id = EOS
+        model.generation_config.eos_token_id = EOS
+        model.save_pretrained(path)
+    return path
+
+
+@contextlib.contextmanager
+def embedded_servers(model_path: str, log_dir: str, n: int = 1, **overrides):
+    from areal_mcore.rollout.launcher import ServerConfig, launch_servers
+
+    cfg = ServerConfig(model_path=model_path, backend="embedded", n_servers=n, dtype="float32",
+                       context_length=256, log_dir=log_dir, startup_timeout_s=120, **overrides)
+    servers = launch_servers(cfg, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop(grace_s=5)
+
+
+def http(address: str, method: str, path: str, body: dict | None = None, *, key: str | None = None,
+         timeout: float = 120):
+    """(status, parsed JSON or text) of one request; never raises on HTTP errors."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://{address}{path}", data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw.decode()

@@ -1,0 +1,178 @@
+"""The embedded server over HTTP: weight updates by broadcast and from disk, flush, pause,
+API key and bind address. One server subprocess for the module (startup ~9 s)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from _rollout import embedded_servers, http, tiny_hf_dir
+
+from areal_mcore.rollout import weights as W
+from areal_mcore.rollout.launcher import ServerConfig, free_port
+from areal_mcore.rollout.server import parse_args
+
+KEY = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_hf_dir(str(tmp_path_factory.mktemp("hf")), seed=11)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    with embedded_servers(model_dir, str(tmp_path_factory.mktemp("logs")), api_key=KEY) as s:
+        yield s[0]
+
+
+def _call(server, method, path, body=None, **kw):
+    return http(server.address, method, path, body, key=KEY, **kw)
+
+
+def _in_thread(fn, *args, **kwargs):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("out", fn(*args, **kwargs)))
+    t.start()
+    return t, box
+
+
+def _generate(server, max_new_tokens=8, **sampling):
+    return _call(server, "POST", "/generate", {
+        "input_ids": [5, 6, 7, 8], "return_logprob": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}})
+
+
+def _state(server):
+    return _call(server, "GET", "/server_info")[1]["internal_states"][0]
+
+
+def _wait_decoding(server):
+    """Returns once a request is running and has decoded a few tokens."""
+    deadline = time.time() + 30
+    while _state(server)["num_running_reqs"] == 0:
+        assert time.time() < deadline
+    steps = _state(server)["decode_steps"]
+    while _state(server)["decode_steps"] < steps + 3:
+        assert time.time() < deadline
+
+
+def _reference_greedy(model_dir, state, prompt, n):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref.load_state_dict(state, strict=False)
+    return ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def test_requests_without_the_api_key_are_refused(server):
+    assert http(server.address, "POST", "/generate", {"input_ids": [1, 2]})[0] == 401
+    assert http(server.address, "GET", "/model_info", key="wrong")[0] == 401
+    assert http(server.address, "GET", "/health")[0] == 200  # probes stay open, as in SGLang
+    assert _call(server, "GET", "/model_info")[0] == 200
+
+
+def test_default_bind_is_loopback(server):
+    assert parse_args(["--model-path", "x"]).host == "127.0.0.1"
+    assert ServerConfig(model_path="x").host == "127.0.0.1"
+    proc = psutil.Process(server.proc.pid)
+    listening = [c.laddr for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+    assert listening and all(a.ip == "127.0.0.1" for a in listening)
+
+
+def test_weight_update_over_gloo_is_bitwise_and_bumps_the_version(server, model_dir):
+    state = W.read_hf_dir(model_dir)
+    g = torch.Generator().manual_seed(0)
+    new = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    port = free_port()
+    t, box = _in_thread(_call, server, "POST", "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": "wu", "backend": "gloo"})
+    group = W.init_weight_group(master_address="127.0.0.1", master_port=port, rank=0,
+                                world_size=2, group_name="wu", backend="gloo", timeout_s=60)
+    t.join()
+    assert box["out"][0] == 200, box
+
+    names = sorted(new)
+    t, box = _in_thread(_call, server, "POST", "/update_weights_from_distributed", {
+        "names": names, "dtypes": ["float32"] * len(names), "shapes": [list(new[n].shape) for n in names],
+        "group_name": "wu", "flush_cache": True, "weight_version": "1"})
+    for n in names:
+        W.broadcast(group, new[n].clone(), src=0)
+    t.join()
+    assert box["out"] == (200, {"success": True, "message": f"Succeeded to update {len(names)} parameters."})
+
+    for n in names:
+        status, rows = _call(server, "POST", "/get_weights_by_name",
+                             {"name": n, "truncate_size": new[n].shape[0]})
+        assert status == 200 and torch.equal(torch.tensor(rows, dtype=torch.float32), new[n]), n
+    assert _call(server, "GET", "/model_info")[1]["weight_version"] == "1"
+    status, out = _generate(server, 12)
+    assert out["meta_info"]["weight_version"] == "1"
+    assert out["output_ids"] == _reference_greedy(model_dir, new, [5, 6, 7, 8], 12)
+
+    # A bad name is refused before anything is received or loaded.
+    status, out = _call(server, "POST", "/update_weights_from_distributed", {
+        "names": ["model.nope.weight"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "wu",
+        "weight_version": "2"})
+    assert status == 400 and "unknown weight 'model.nope.weight'" in out["message"]
+    assert _call(server, "GET", "/model_info")[1]["weight_version"] == "1"
+
+
+def test_update_weights_from_disk_loads_by_name(server, model_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    state = W.read_hf_dir(model_dir)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    status, out = _call(server, "POST", "/update_weights_from_disk",
+                        {"model_path": str(tmp_path), "weight_version": "7"})
+    assert status == 200 and out["success"], out
+    name = "model.layers.0.mlp.up_proj.weight"
+    rows = _call(server, "POST", "/get_weights_by_name", {"name": name, "truncate_size": 1000})[1]
+    assert torch.equal(torch.tensor(rows), state[name])
+    assert _call(server, "GET", "/model_info")[1]["weight_version"] == "7"
+    status, out = _call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "no")})
+    assert status == 400 and "no model.safetensors" in out["message"]
+
+
+def test_flush_cache_is_refused_while_requests_run(server):
+    t, box = _in_thread(_generate, server, 200, ignore_eos=True)
+    _wait_decoding(server)
+    assert _call(server, "POST", "/flush_cache")[0] == 400
+    t.join()
+    assert box["out"][0] == 200
+    assert _call(server, "POST", "/flush_cache")[0] == 200
+
+
+def test_pause_aborts_running_holds_new_requests_and_continue_resumes(server):
+    t, box = _in_thread(_generate, server, 200, ignore_eos=True)
+    _wait_decoding(server)
+    assert _call(server, "POST", "/pause_generation", {"mode": "abort"})[0] == 200
+    t.join(30)
+    status, out = box["out"]
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(out["output_ids"]) < 200
+    held, hbox = _in_thread(_generate, server, 4)
+    time.sleep(1.0)
+    assert "out" not in hbox  # waits while paused
+    assert _call(server, "POST", "/continue_generation")[0] == 200
+    held.join(30)
+    assert hbox["out"][1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_pause_in_place_keeps_the_request_and_its_tokens(server):
+    t, box = _in_thread(_generate, server, 60, ignore_eos=True)
+    _wait_decoding(server)
+    assert _call(server, "POST", "/pause_generation", {"mode": "in_place"})[0] == 200
+    steps = _state(server)["decode_steps"]
+    time.sleep(0.5)
+    assert _state(server)["decode_steps"] == steps
+    assert "out" not in box
+    _call(server, "POST", "/continue_generation")
+    t.join(30)
+    assert box["out"][1]["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
+    assert _call(server, "POST", "/pause_generation", {"mode": "sideways"})[0] == 400
