@@ -27,6 +27,7 @@ lint: install
 
 bench: install
 	$(PY) bench/allocator.py
+	$(PY) bench/rollout_server.py
 
 run: install
 	@echo "make run (the tiny CPU boba run end to end) arrives with the trainer issue (#8)." >&2

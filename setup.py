@@ -17,14 +17,17 @@ INSTALL_REQUIRES = [
     "tqdm",
     # the boba reward; antlr4 4.13.2 is the LaTeX parser runtime it needs
     "math-verify[antlr4_13_2]==0.9.0",
+    # the embedded rollout server (HTTP both ways) and its model; the engine uses the
+    # transformers 5 cache API (DynamicCache layers).
+    "aiohttp>=3.9",
+    "transformers>=5.0",
 ]
 
 EXTRAS_REQUIRE = {
     # NVIDIA apex is not on PyPI; it comes with NVIDIA's PyTorch containers and is
     # detected at run time (areal_mcore/accel.py), like transformer-engine.
     "gpu": ["transformer-engine[pytorch]", "sglang", "nvidia-ml-py"],
-    # transformers: tiny reference models for the actor tests (built locally, no downloads).
-    "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff", "transformers"],
+    "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff"],
 }
 
 setup(

@@ -176,3 +176,18 @@ def test_pause_in_place_keeps_the_request_and_its_tokens(server):
     t.join(30)
     assert box["out"][1]["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
     assert _call(server, "POST", "/pause_generation", {"mode": "sideways"})[0] == 400
+
+
+def test_64_concurrent_requests_share_decode_steps(server):
+    """Requests that arrive together are batched: 64 x 32 tokens take a few dozen forward
+    passes, not 64 x 32 (bench/rollout_server.py measures the speed-up)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = _state(server)["decode_steps"]
+    with ThreadPoolExecutor(64) as pool:
+        outs = list(pool.map(lambda i: _call(server, "POST", "/generate", {
+            "input_ids": [9, 10 + i % 50, 11], "sampling_params": {
+                "max_new_tokens": 32, "ignore_eos": True, "sampling_seed": i}}), range(64)))
+    assert all(s == 200 and len(o["output_ids"]) == 32 for s, o in outs)
+    steps = _state(server)["decode_steps"] - before
+    assert steps < 64 * 32 / 8, steps

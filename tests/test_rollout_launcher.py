@@ -1,0 +1,46 @@
+"""Server command lines and start-up failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_mcore.rollout.launcher import ServerConfig, launch_servers, server_command
+
+
+def _flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def test_sglang_command_carries_the_config_and_a_seed_per_server():
+    cfg = ServerConfig(model_path="/m", backend="sglang", n_servers=2, tp_size=4, seed=10,
+                       mem_fraction_static=0.85, context_length=32768, dtype="bfloat16",
+                       api_key="k", extra_args=["--log-level", "warning"])
+    cmds = [server_command(cfg, port=30000 + i, seed=cfg.seed + i) for i in range(2)]
+    assert cmds[0][1:3] == ["-m", "sglang.launch_server"]
+    for flag, want in [("--model-path", "/m"), ("--tp-size", "4"), ("--mem-fraction-static", "0.85"),
+                       ("--context-length", "32768"), ("--dtype", "bfloat16"), ("--host", "127.0.0.1"),
+                       ("--api-key", "k")]:
+        assert _flag(cmds[0], flag) == want
+    assert "--skip-tokenizer-init" in cmds[0] and cmds[0][-2:] == ["--log-level", "warning"]
+    assert [_flag(c, "--random-seed") for c in cmds] == ["10", "11"]
+    assert [_flag(c, "--port") for c in cmds] == ["30000", "30001"]
+
+
+def test_embedded_command_runs_our_server_module():
+    cmd = server_command(ServerConfig(model_path="/m"), port=5, seed=3)
+    assert cmd[1:3] == ["-m", "areal_mcore.rollout.server"] and _flag(cmd, "--random-seed") == "3"
+
+
+@pytest.mark.parametrize("kw, msg", [({"backend": "vllm"}, "backend must be one of"),
+                                     ({"backend": "embedded", "tp_size": 2}, "tp_size must be 1"),
+                                     ({"mem_fraction_static": 1.5}, "mem_fraction_static")])
+def test_bad_server_config_names_the_key(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        ServerConfig(model_path="/m", **kw)
+
+
+def test_a_server_that_dies_at_start_reports_its_log(tmp_path):
+    cfg = ServerConfig(model_path=str(tmp_path / "missing"), log_dir=str(tmp_path / "logs"),
+                       startup_timeout_s=60)
+    with pytest.raises(RuntimeError, match=r"exited with code .* before it was healthy.*server0.log"):
+        launch_servers(cfg)
