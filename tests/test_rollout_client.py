@@ -47,3 +47,64 @@ def test_kill_9_one_of_two_servers_mid_batch_loses_and_duplicates_nothing(tmp_pa
     assert all(c.finish_reason["type"] == "length" for c in out)
     assert in_flight_on_victim > 0 and sum(c.attempts for c in out) >= in_flight_on_victim
     assert healthy == [False, True]
+
+
+def _stand_in(behaviour: str, log: list):
+    """A server that is slow (sleeps past the client timeout), broken (HTTP 503) or fine."""
+    from aiohttp import web
+
+    async def generate(request):
+        body = await request.json()
+        log.append((behaviour, "generate", body["rid"]))
+        if behaviour == "slow":
+            await asyncio.sleep(3)
+        if behaviour == "broken":
+            return web.Response(status=503, text="overloaded")
+        return web.json_response({"output_ids": [1], "meta_info": {
+            "id": body["rid"], "finish_reason": {"type": "length", "length": 1},
+            "weight_version": "0", "output_token_logprobs": [[-1.0, 1, None]]}})
+
+    async def abort(request):
+        log.append((behaviour, "abort", (await request.json())["rid"]))
+        return web.Response(status=200)
+
+    async def info(request):
+        return web.json_response({"version": "0.5.23"})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/abort_request", abort)
+    app.router.add_get("/server_info", info)
+    return app
+
+
+def test_timeouts_and_5xx_fail_over_and_the_slow_server_is_told_to_abort():
+    from aiohttp import web
+
+    from areal_mcore.rollout.launcher import free_port
+
+    async def run():
+        log: list = []
+        runners, addresses = [], []
+        for behaviour in ("slow", "broken", "fine"):
+            runner = web.AppRunner(_stand_in(behaviour, log))
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+            addresses.append(f"127.0.0.1:{port}")
+        try:
+            cfg = ClientConfig(addresses=addresses, request_timeout_s=0.5, retry_delay_s=0.01)
+            async with RolloutClient(cfg) as client:
+                c = await client.generate([1, 2], SamplingParams(max_new_tokens=1), rid="r1")
+                await asyncio.sleep(0.2)  # the abort to the slow server is fire-and-forget
+        finally:
+            for r in runners:
+                await r.cleanup()
+        return c, log
+
+    c, log = asyncio.run(run())
+    assert c.output_ids == [1] and c.attempts == 2 and c.rid == "r1"
+    assert [b for b, what, _ in log if what == "generate"] == ["slow", "broken", "fine"]
+    assert [b for b, what, _ in log if what == "abort"] == ["slow"]
+    assert {rid for _, _, rid in log} == {"r1"}

@@ -44,3 +44,15 @@ def test_a_server_that_dies_at_start_reports_its_log(tmp_path):
                        startup_timeout_s=60)
     with pytest.raises(RuntimeError, match=r"exited with code .* before it was healthy.*server0.log"):
         launch_servers(cfg)
+
+
+def test_rollout_imports_no_megatron_and_no_actor():
+    """STYLE.md layering: the inference side starts without the training stack."""
+    import subprocess
+    import sys
+
+    code = ("import sys, areal_mcore.rollout.server, areal_mcore.rollout.controller, "
+            "areal_mcore.rollout.launcher; print(sorted(m for m in sys.modules if "
+            "m.startswith(('megatron', 'areal_mcore.actor', 'areal_mcore.trainer'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
