@@ -14,7 +14,8 @@ from areal_mcore.rollout.client import ClientConfig, RolloutClient
 from areal_mcore.rollout.launcher import free_port
 from areal_mcore.rollout.protocol import SamplingParams
 
-# Written out from DESIGN.md ("SGLang API subset to speak"), not imported from the code.
+# Written out from DESIGN.md ("SGLang API subset to speak"), not imported from the code;
+# load_format and destroy_weights_update_group are SGLang 0.5.23 fields DESIGN.md omits.
 REQUEST_FIELDS = {
     ("GET", "/health"): set(), ("GET", "/model_info"): set(), ("GET", "/server_info"): set(),
     ("POST", "/generate"): {"input_ids", "sampling_params", "return_logprob", "rid"},
@@ -28,7 +29,8 @@ REQUEST_FIELDS = {
     ("POST", "/end_weight_update"): set(),
     ("POST", "/update_weights_from_distributed"): {"names", "dtypes", "shapes", "group_name",
                                                    "flush_cache", "abort_all_requests",
-                                                   "weight_version"},
+                                                   "weight_version", "load_format"},
+    ("POST", "/destroy_weights_update_group"): {"group_name"},
     ("POST", "/update_weights_from_disk"): {"model_path", "weight_version", "abort_all_requests"},
 }
 OLD_ONLY = {("GET", "/get_server_info"): set(), ("GET", "/get_weight_version"): set()}
@@ -89,6 +91,7 @@ async def _drive_client(version: str) -> tuple[list, object]:
                                                          shapes=[[2]], group_name="g",
                                                          weight_version="4")
             await client.end_weight_update()
+            await client.destroy_weights_update_group("g")
             await client.update_weights_from_disk("/x", weight_version="5")
             world = client.weight_group_world_size()
     finally:

@@ -20,6 +20,7 @@ class ParallelGroups:
     tp: dist.ProcessGroup
     pp: dist.ProcessGroup
     dp: dist.ProcessGroup
+    mp: dist.ProcessGroup  # TP x PP ranks of this data-parallel replica
     tp_rank: int
     tp_size: int
     pp_rank: int
@@ -60,6 +61,7 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> ParallelGroups:
         tp=mpu.get_tensor_model_parallel_group(),
         pp=mpu.get_pipeline_model_parallel_group(),
         dp=mpu.get_data_parallel_group(),
+        mp=mpu.get_model_parallel_group(),
         tp_rank=mpu.get_tensor_model_parallel_rank(),
         tp_size=cfg.tp,
         pp_rank=mpu.get_pipeline_model_parallel_rank(),

@@ -162,10 +162,15 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, *, tp_rank: in
 
 
 def to_hf(shards: list[dict[str, torch.Tensor]], args: ModelArgs, *, pp_rank: int,
-          pp_size: int) -> dict[str, torch.Tensor]:
-    """HF tensors of one PP stage from the megatron state dicts of all its TP ranks."""
+          pp_size: int, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """HF tensors of one PP stage from the megatron state dicts of all its TP ranks.
+
+    ``only`` restricts the conversion to those megatron names (a weight-sync bucket).
+    """
     out = {}
     for p, name, hf_names in stage_entries(args, pp_rank, pp_size, tied_copy=False):
+        if only is not None and name not in only:
+            continue
         _, merge = _KINDS[p.kind]
         for h, t in zip(hf_names, merge([s[name] for s in shards], args), strict=True):
             out[h] = t.contiguous()

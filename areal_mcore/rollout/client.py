@@ -23,7 +23,12 @@ log = logging.getLogger(__name__)
 
 
 class RolloutError(RuntimeError):
-    """A request that no server could serve, or a server that refused an admin call."""
+    """A request that no server could serve, or servers that refused an admin call
+    (``failed`` lists their addresses)."""
+
+    def __init__(self, message: str, failed: list[str] | None = None):
+        super().__init__(message)
+        self.failed = failed or []
 
 
 @dataclass(kw_only=True)
@@ -183,7 +188,9 @@ class RolloutClient:
                     raise _Retryable(f"HTTP {r.status}: {text[:200]}")
                 if r.status >= 400:
                     raise RolloutError(f"{s.address}{path}: HTTP {r.status}: {text[:500]}")
-                return (await r.json(content_type=None) if text else None) if parse else text
+                if not parse or not text or r.content_type != "application/json":
+                    return text  # e.g. flush_cache answers in plain text
+                return await r.json()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
             s.healthy = isinstance(e, asyncio.TimeoutError)  # a timeout is slow, not dead
             if isinstance(e, asyncio.TimeoutError) and path == "/generate" and body:
@@ -202,9 +209,14 @@ class RolloutClient:
     # ---- fleet control -----------------------------------------------------------------
     async def _all(self, method: str, path: str, body: dict | None = None, *,
                    servers: list[_Server] | None = None, timeout: float = 600.0) -> list:
+        """The same call on every server, concurrently; every failure is reported."""
         servers = self.servers if servers is None else servers
-        return list(await asyncio.gather(*[self._request(s, method, path, body, timeout=timeout)
-                                           for s in servers]))
+        out = await asyncio.gather(*[self._request(s, method, path, body, timeout=timeout)
+                                     for s in servers], return_exceptions=True)
+        failed = [(s, e) for s, e in zip(servers, out) if isinstance(e, BaseException)]
+        if failed:
+            raise RolloutError("; ".join(str(e) for _, e in failed), [s.address for s, _ in failed])
+        return list(out)
 
     async def abort(self, rid: str) -> None:
         """Cancels one request everywhere; ``generate`` then returns it as aborted."""
@@ -241,10 +253,16 @@ class RolloutClient:
             offsets.append(off)
             off += s.tp_size
         world = self.weight_group_world_size()
-        await asyncio.gather(*[self._request(s, "POST", "/init_weights_update_group", {
+        out = await asyncio.gather(*[self._request(s, "POST", "/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": o,
             "world_size": world, "group_name": group_name, "backend": backend}, timeout=600)
-            for s, o in zip(self.servers, offsets)])
+            for s, o in zip(self.servers, offsets)], return_exceptions=True)
+        failed = [(s, e) for s, e in zip(self.servers, out) if isinstance(e, BaseException)]
+        if failed:
+            raise RolloutError("; ".join(str(e) for _, e in failed), [s.address for s, _ in failed])
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._all("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     async def begin_weight_update(self) -> None:
         await self._all("POST", "/begin_weight_update", {},
@@ -257,11 +275,14 @@ class RolloutClient:
     async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str,
                                               weight_version: str | None = None,
-                                              flush_cache: bool = True) -> None:
-        """Servers allocate and receive by ``broadcast(src=0)``; the trainer sends meanwhile."""
+                                              flush_cache: bool = True,
+                                              load_format: str | None = None) -> None:
+        """Servers allocate and receive by ``broadcast(src=0)``; the trainer sends meanwhile.
+        ``load_format="flattened_bucket"``: one broadcast of the tensors back to back."""
         await self._all("POST", "/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": flush_cache, "weight_version": weight_version})
+            "flush_cache": flush_cache, "weight_version": weight_version,
+            "load_format": load_format})
 
     async def update_weights_from_disk(self, model_path: str, *,
                                        weight_version: str | None = None) -> None:

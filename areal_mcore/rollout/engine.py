@@ -127,6 +127,13 @@ class DecodeEngine:
         with self._cond:
             return len(self._running) + len(self._waiting)
 
+    @property
+    def busy(self) -> bool:
+        """Requests hold KV cache or are about to; requests held by a pause do not count
+        (SGLang holds those before the scheduler, so a flush may run)."""
+        with self._cond:
+            return bool(self._running) or (bool(self._waiting) and not self.paused)
+
     def close(self) -> None:
         with self._cond:
             self._stopped = True

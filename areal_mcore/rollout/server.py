@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import uuid
 from dataclasses import dataclass
 
@@ -217,7 +218,7 @@ async def continue_generation(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     # No prefix (radix) cache is kept here, but the idle rule is SGLang's: a flush while
     # requests run or wait is refused, so callers learn the same discipline on CPU.
-    if request.app[ENGINE_KEY].num_running:
+    if request.app[ENGINE_KEY].busy:
         return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
     return web.Response(status=200, text="Cache flushed.\n")
 
@@ -270,6 +271,11 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         bad = sorted({d for d in dtypes if d not in W.DTYPES})
         if bad:
             raise ValueError(f"dtypes {bad} not in {sorted(W.DTYPES)}")
+        flat = body.get("load_format") == "flattened_bucket"
+        if body.get("load_format") not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format must be null or 'flattened_bucket', got {body['load_format']!r}")
+        if flat and len(set(dtypes)) > 1:
+            raise ValueError(f"a flattened bucket holds one dtype, got {sorted(set(dtypes))}")
         W.check_weights(st.model, names, shapes)
     except KeyError as e:
         return _result(False, f"update_weights_from_distributed: missing {e.args[0]!r} "
@@ -282,11 +288,17 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     def receive_and_load():
         # Receive everything before loading anything: a failed broadcast leaves the old
         # weights whole rather than a mix.
-        received = []
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            t = torch.empty(shape, dtype=W.DTYPES[dtype])
-            W.broadcast(group, t, src=0)
-            received.append((name, t))
+        if flat:  # one broadcast per bucket: the tensors back to back, in order
+            flat_t = torch.empty(sum(math.prod(s) for s in shapes), dtype=W.DTYPES[dtypes[0]])
+            W.broadcast(group, flat_t, src=0)
+            parts = flat_t.split([math.prod(s) for s in shapes])
+            received = [(n, p.view(s)) for n, p, s in zip(names, parts, shapes)]
+        else:
+            received = []
+            for name, dtype, shape in zip(names, dtypes, shapes):
+                t = torch.empty(shape, dtype=W.DTYPES[dtype])
+                W.broadcast(group, t, src=0)
+                received.append((name, t))
         W.load_weights(st.model, received)
         if body.get("weight_version") is not None:
             engine.weight_version = str(body["weight_version"])

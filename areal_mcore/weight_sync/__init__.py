@@ -1,0 +1,1 @@
+"""Weight sync: actor -> rollout servers (the one package that knows both)."""

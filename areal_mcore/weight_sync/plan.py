@@ -1,0 +1,85 @@
+"""The weight-sync plan of one pipeline stage: which HF tensors it sends, in what dtype,
+in which bucket. Computed once from the model's parameter shapes, reused every step.
+
+A *unit* is one megatron parameter and the HF tensors it becomes (q/k/v, gate/up split);
+a unit is gathered and converted as a whole, so bucket boundaries fall between units.
+Buckets fill in model order up to ``bucket_bytes``; a unit larger than the budget gets a
+bucket of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from areal_mcore.model import adapter
+from areal_mcore.model.args import ModelArgs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Unit:
+    mcore: str  # megatron parameter name (stage-local)
+    hf: tuple[tuple[str, tuple[int, ...]], ...]  # (HF name, HF shape) it converts to
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        return sum(math.prod(shape) for _, shape in self.hf) * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    pp_rank: int
+    dtype: str
+    buckets: tuple[tuple[Unit, ...], ...]
+    key: tuple  # the shapes it was made from: a different model needs a new plan
+
+    @property
+    def nbytes(self) -> int:
+        return sum(u.nbytes(DTYPES[self.dtype]) for b in self.buckets for u in b)
+
+    def bucket_meta(self, i: int) -> tuple[list[str], list[list[int]]]:
+        """HF names and shapes of bucket ``i``, in send order."""
+        pairs = [(n, list(s)) for u in self.buckets[i] for n, s in u.hf]
+        return [n for n, _ in pairs], [s for _, s in pairs]
+
+
+def plan_key(shard_shapes: dict[str, torch.Size]) -> tuple:
+    return tuple(sorted((n, tuple(s)) for n, s in shard_shapes.items()))
+
+
+def make_plan(shard_shapes: dict[str, torch.Size], args: ModelArgs, *, tp_size: int, pp_rank: int,
+              pp_size: int, dtype: str, bucket_bytes: int) -> SyncPlan:
+    """Plans a stage from its TP shard shapes (megatron names -> shapes on this rank).
+
+    HF shapes come from running the adapter's merge on meta tensors, so the plan can never
+    disagree with the conversion it schedules.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"weight_sync.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    meta = {n: torch.empty(s, device="meta") for n, s in shard_shapes.items()}
+    units = []
+    for _, name, _ in adapter.stage_entries(args, pp_rank, pp_size, tied_copy=False):
+        hf = adapter.to_hf([meta] * tp_size, args, pp_rank=pp_rank, pp_size=pp_size, only={name})
+        units.append(Unit(mcore=name, hf=tuple((n, tuple(t.shape)) for n, t in hf.items())))
+    sizes = [u.nbytes(DTYPES[dtype]) for u in units]
+    buckets = tuple(tuple(units[i] for i in b) for b in assign_buckets(sizes, bucket_bytes))
+    return SyncPlan(pp_rank=pp_rank, dtype=dtype, buckets=buckets, key=plan_key(shard_shapes))
+
+
+def assign_buckets(sizes: list[int], budget: int) -> list[list[int]]:
+    """Consecutive groups of indices with sum(sizes) <= budget; an item over the budget
+    alone in its group. Order is kept (the receiver loads in order; layers stream)."""
+    if budget <= 0:
+        raise ValueError(f"bucket budget must be > 0 bytes, got {budget}")
+    buckets: list[list[int]] = []
+    used = budget + 1  # forces a new bucket for the first item
+    for i, size in enumerate(sizes):
+        if used + size > budget:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(i)
+        used += size
+    return buckets

@@ -1,0 +1,291 @@
+"""Pushes the actor's weights to the rollout servers after a training step.
+
+Every rank calls ``connect()`` once and ``push(version)`` after each step. Within the first
+data-parallel replica, each pipeline stage's TP ranks all-gather their shards bucket by
+bucket; the stage's head (TP rank 0) converts them to HF names and layout with the
+adapter, casts them to the rollout dtype and broadcasts them over its own update group
+(trainer = rank 0, server TP rank r = ``rank_offset + r``), so no rank ever holds more
+than its stage. While bucket k is on the wire (HTTP request + broadcast), bucket k+1 is
+gathered. Other data-parallel replicas hold the same weights and do nothing.
+
+Protocol of one push (the coordinator is the head of stage 0):
+pause generation -> begin_weight_update -> each stage in turn: per bucket
+``update_weights_from_distributed`` + broadcast -> flush cache -> end_weight_update ->
+continue. Stages take turns because each server receives on one thread: two stages
+broadcasting at once could reach two servers in opposite orders and deadlock; the
+servers' inbound bytes are the same either way. The new ``weight_version`` rides on the
+very last bucket only, so a server that did not get everything still reports the old
+version. On any failure every rank raises ``WeightSyncError`` naming the servers, and the
+servers stay paused: none serves a half-applied update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from areal_mcore.model import adapter
+from areal_mcore.rollout.client import ClientConfig, RolloutClient, RolloutError
+from areal_mcore.rollout.launcher import free_port
+from areal_mcore.rollout.weights import init_weight_group
+from areal_mcore.weight_sync.plan import DTYPES, SyncPlan, make_plan, plan_key
+
+MODES = ("distributed", "disk")
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    mode: str = "distributed"  # or "disk": HF export + update_weights_from_disk
+    bucket_mb: float = 1024.0  # AReaL uses 1 GB, slime 512 MB
+    dtype: str = "bfloat16"  # the rollout dtype
+    flatten: bool = True  # one broadcast per bucket (load_format=flattened_bucket)
+    backend: str = "auto"  # nccl with CUDA, else gloo
+    master_address: str | None = None  # None: this node's address
+    master_port: int | None = None  # stage s uses master_port + s; None: a free port
+    group_name: str = "areal_weight_sync"
+    pause_mode: str = "abort"
+    disk_dir: str | None = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"weight_sync.mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"weight_sync.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"weight_sync.backend must be auto, nccl or gloo, got {self.backend!r}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"weight_sync.bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.mode == "disk" and not self.disk_dir:
+            raise ValueError("weight_sync.mode=disk needs weight_sync.disk_dir (a shared filesystem path)")
+
+
+class WeightSyncError(RuntimeError):
+    def __init__(self, message: str, failed_servers: list[str]):
+        super().__init__(message)
+        self.failed_servers = failed_servers
+
+
+@dataclass
+class SyncStats:
+    """Seconds spent per phase on this rank (phases overlap: they need not sum to total)."""
+
+    total_s: float = 0.0
+    gather_s: float = 0.0
+    convert_s: float = 0.0
+    http_s: float = 0.0
+    wire_s: float = 0.0
+    bytes: int = 0
+    buckets: int = 0
+    failures: list[str] = field(default_factory=list)
+    failed_servers: list[str] = field(default_factory=list)
+
+    def fail(self, what: str, error: BaseException) -> None:
+        self.failures.append(f"{what}: {error}")
+        self.failed_servers += getattr(error, "failed", [])
+
+
+class WeightSyncer:
+    def __init__(self, cfg: WeightSyncConfig, actor, addresses: list[str], *,
+                 api_key: str | None = None):
+        self.cfg = cfg
+        self.actor = actor
+        g = actor.groups
+        self.g = g
+        self.participates = g.dp_rank == 0 or cfg.mode == "disk"
+        self.is_sender = g.dp_rank == 0 and g.tp_rank == 0  # head of this stage
+        self.is_coordinator = self.is_sender and g.pp_rank == 0
+        self.client = (RolloutClient(ClientConfig(addresses=addresses, api_key=api_key))
+                       if self.is_sender else None)
+        self._plan: SyncPlan | None = None
+        self._group = None
+        self.group_name = f"{cfg.group_name}_pp{g.pp_rank}"
+
+    # ---- plan --------------------------------------------------------------------------
+    def plan(self) -> SyncPlan:
+        """This stage's plan; rebuilt only when the parameter shapes change."""
+        shapes = {n: p.shape for n, p in self.actor.model.module.named_parameters()}
+        if self._plan is None or self._plan.key != plan_key(shapes):
+            self._plan = make_plan(shapes, self.actor.args, tp_size=self.g.tp_size,
+                                   pp_rank=self.g.pp_rank, pp_size=self.g.pp_size,
+                                   dtype=self.cfg.dtype, bucket_bytes=int(self.cfg.bucket_mb * 2**20))
+        return self._plan
+
+    # ---- setup -------------------------------------------------------------------------
+    async def connect(self) -> None:
+        """Starts the HTTP client and forms this stage's update group with every server."""
+        stats = SyncStats()
+        if self.is_sender:
+            await self.client.start()
+            if self.cfg.mode == "distributed":
+                try:
+                    await self._form_group()
+                except (RolloutError, RuntimeError) as e:
+                    stats.fail(f"forming the update group of stage {self.g.pp_rank}", e)
+        await self._agree(stats, "connecting to the rollout servers")
+
+    async def _form_group(self) -> None:
+        cfg = self.cfg
+        address = cfg.master_address or socket.gethostbyname(socket.gethostname())
+        port = cfg.master_port + self.g.pp_rank if cfg.master_port else free_port(address)
+        backend = cfg.backend if cfg.backend != "auto" else (
+            "nccl" if torch.cuda.is_available() else "gloo")
+        world = self.client.weight_group_world_size()
+        join = asyncio.ensure_future(self.client.init_weights_update_group(
+            master_address=address, master_port=port, group_name=self.group_name, backend=backend))
+        try:
+            self._group = await asyncio.to_thread(
+                init_weight_group, master_address=address, master_port=port, rank=0,
+                world_size=world, group_name=self.group_name, backend=backend,
+                timeout_s=cfg.timeout_s)
+        finally:
+            await join
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    # ---- one update --------------------------------------------------------------------
+    async def push(self, version: int) -> SyncStats:
+        """Makes every server serve this actor's weights as ``version`` (all ranks call)."""
+        stats = SyncStats()
+        start = time.perf_counter()
+        if self.cfg.mode == "disk":
+            await self._push_disk(version, stats)
+        elif self.participates:
+            await self._coordinate(stats, "pausing the servers", self._begin)
+            for stage in range(self.g.pp_size):
+                if stage == self.g.pp_rank:
+                    await self._send_stage(version, stats)
+                await self._agree(stats, f"sending stage {stage}")
+            await self._coordinate(stats, "resuming the servers", self._finish)
+        stats.total_s = time.perf_counter() - start
+        return stats
+
+    async def _begin(self) -> None:
+        await self.client.pause(mode=self.cfg.pause_mode)
+        await self.client.begin_weight_update()
+
+    async def _finish(self) -> None:
+        await self.client.flush_cache()
+        await self.client.end_weight_update()
+        await self.client.continue_()
+
+    async def _coordinate(self, stats: SyncStats, what: str, step) -> None:
+        if self.is_coordinator:
+            try:
+                await step()
+            except RolloutError as e:
+                stats.fail(what, e)
+        await self._agree(stats, what)
+
+    async def _agree(self, stats: SyncStats, what: str) -> None:
+        """Every participating rank learns every failure and all raise together (the
+        all-gather doubles as the barrier between stages)."""
+        if not self.participates:
+            return
+        group = self.g.mp if self.cfg.mode == "distributed" else None  # disk: every rank
+        everyone: list = [None] * dist.get_world_size(group)
+        await asyncio.to_thread(dist.all_gather_object, everyone,
+                                (stats.failures, stats.failed_servers), group=group)
+        messages = [m for ms, _ in everyone for m in ms]
+        servers = sorted({s for _, ss in everyone for s in ss})
+        if messages:
+            raise WeightSyncError(
+                f"weight sync failed while {what}: {'; '.join(messages)}. Failed servers: "
+                f"{servers or 'unknown'}; the servers stay paused with their old weight_version "
+                f"until a sync completes.", servers)
+
+    async def _send_stage(self, version: int, stats: SyncStats) -> None:
+        plan = self.plan()
+        n = len(plan.buckets)
+        if not self.is_sender:  # TP peers: take part in every bucket's all-gather
+            for i in range(n):
+                self._gather(plan, i, stats)
+            return
+        last_stage = self.g.pp_rank == self.g.pp_size - 1
+        payload = await asyncio.to_thread(self._gather, plan, 0, stats)
+        for i in range(n):
+            nxt = asyncio.to_thread(self._gather, plan, i + 1, stats) if i + 1 < n else None
+            if stats.failures:  # keep gathering: TP peers must not be left in a collective
+                payload = await nxt if nxt else None
+                continue
+            names, shapes = plan.bucket_meta(i)
+            http = self._timed(stats, "http_s", self.client.update_weights_from_distributed(
+                names=names, dtypes=[plan.dtype] * len(names), shapes=shapes,
+                group_name=self.group_name, flush_cache=False,
+                weight_version=str(version) if last_stage and i == n - 1 else None,
+                load_format="flattened_bucket" if self.cfg.flatten else None))
+            wire = self._timed(stats, "wire_s", asyncio.to_thread(self._broadcast, payload))
+            http_r, wire_r, *rest = await asyncio.gather(http, wire, *([nxt] if nxt else []),
+                                                         return_exceptions=True)
+            for what, r in ((f"bucket {i} request", http_r), (f"bucket {i} broadcast", wire_r)):
+                if isinstance(r, BaseException):
+                    stats.fail(what, r)
+            if not stats.failures:
+                stats.bytes += sum(t.numel() * t.element_size() for t in payload)
+                stats.buckets += 1
+            if rest:
+                if isinstance(rest[0], BaseException):
+                    raise rest[0]
+                payload = rest[0]
+
+    @staticmethod
+    async def _timed(stats: SyncStats, key: str, aw):
+        t = time.perf_counter()
+        try:
+            return await aw
+        finally:
+            setattr(stats, key, getattr(stats, key) + time.perf_counter() - t)
+
+    def _gather(self, plan: SyncPlan, i: int, stats: SyncStats) -> list[torch.Tensor] | None:
+        """TP all-gather of bucket ``i``; on the stage head, its HF tensors ready to send."""
+        t0 = time.perf_counter()
+        g, module = self.g, self.actor.model.module
+        names = [u.mcore for u in plan.buckets[i]]
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(g.tp_size)]
+        for name in names:
+            local = module.get_parameter(name).detach()
+            if g.tp_size == 1:
+                shards[0][name] = local
+                continue
+            parts = [torch.empty_like(local) for _ in range(g.tp_size)]
+            dist.all_gather(parts, local.contiguous(), group=g.tp)
+            for r in range(g.tp_size):
+                shards[r][name] = parts[r]
+        t1 = time.perf_counter()
+        stats.gather_s += t1 - t0
+        if not self.is_sender:
+            return None
+        hf = adapter.to_hf(shards, self.actor.args, pp_rank=g.pp_rank, pp_size=g.pp_size,
+                           only=set(names))
+        order, _ = plan.bucket_meta(i)
+        tensors = [hf[n].to(DTYPES[plan.dtype]) for n in order]
+        out = [torch.cat([t.reshape(-1) for t in tensors])] if self.cfg.flatten else \
+            [t.contiguous() for t in tensors]
+        stats.convert_s += time.perf_counter() - t1
+        return out
+
+    def _broadcast(self, payload: list[torch.Tensor]) -> None:
+        works = [self._group.broadcast(t, 0) for t in payload]  # queued back to back
+        for w in works:
+            w.wait()
+
+    async def _push_disk(self, version: int, stats: SyncStats) -> None:
+        from areal_mcore.convert.save_hf import save_hf
+
+        t = time.perf_counter()
+        # Written before the pause: generation goes on while the export is written.
+        await asyncio.to_thread(save_hf, self.actor, self.cfg.disk_dir, dtype=DTYPES[self.cfg.dtype])
+        stats.convert_s = time.perf_counter() - t
+
+        async def load() -> None:
+            await self.client.pause(mode=self.cfg.pause_mode)
+            await self.client.update_weights_from_disk(self.cfg.disk_dir, weight_version=str(version))
+            await self.client.continue_()
+        await self._coordinate(stats, "loading the export from disk", load)

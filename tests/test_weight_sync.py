@@ -1,0 +1,165 @@
+"""Weight sync from real megatron actors (TP=2, PP=2; gloo ranks) to two embedded
+servers: bitwise weights, matching logprobs, versions, bucket plans, and a server killed
+mid-update."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from _actor_setup import VOCAB
+from _dist import run_gloo
+from _rollout import embedded_servers, http, tiny_hf_dir
+from _tiny_model import tiny_qwen2
+
+from areal_mcore.model.args import ModelArgs
+from areal_mcore.weight_sync.plan import assign_buckets, make_plan
+from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncError
+
+PROMPT = [3, 14, 15, 92, 65]
+
+
+def _sync_worker(rank, world, tp, pp, addresses, version, bucket_mb, flatten):
+    from _actor_setup import tiny_actor
+
+    from areal_mcore.packing import pack
+    from areal_mcore.weight_sync.syncer import WeightSyncer
+
+    actor = tiny_actor(tp=tp, pp=pp)  # weights of tiny_qwen2(seed 0); the servers hold seed 21
+    cfg = WeightSyncConfig(bucket_mb=bucket_mb, dtype="float32", flatten=flatten,
+                           master_address="127.0.0.1", timeout_s=60)
+    syncer = WeightSyncer(cfg, actor, addresses)
+
+    async def go():
+        await syncer.connect()
+        stats = await syncer.push(version)
+        await syncer.close()
+        return stats
+    stats = asyncio.run(go())
+    plan = syncer.plan() if syncer.is_sender else None
+    hf = actor.hf_state_dict()  # collective over TP; the stage head keeps it
+    hf = {k: v.clone() for k, v in hf.items()} if syncer.is_sender else {}
+    # Greedy continuation from server 0, then the actor's logprobs of the same tokens.
+    box = [None]
+    if rank == 0:
+        box[0] = http(addresses[0], "POST", "/generate", {
+            "input_ids": PROMPT, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}})[1]
+    torch.distributed.broadcast_object_list(box, src=0)
+    out = box[0]
+    seq = torch.tensor(PROMPT + out["output_ids"])
+    logp = actor.compute_logprobs(pack([seq]))[len(PROMPT):]
+    server_logp = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    return {"hf": hf, "logp": logp, "server_logp": server_logp, "stats": stats,
+            "buckets": [len(b) for b in plan.buckets] if plan else None}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wsync")
+    with embedded_servers(tiny_hf_dir(str(root), seed=21), str(root / "logs"), n=2) as s:
+        yield s
+
+
+def _check_servers_equal(servers, hf, version):
+    assert len(hf) > 0
+    for s in servers:
+        for name, want in hf.items():
+            status, rows = http(s.address, "POST", "/get_weights_by_name",
+                                {"name": name, "truncate_size": want.shape[0]})
+            assert status == 200 and torch.equal(torch.tensor(rows, dtype=torch.float32), want), name
+        assert http(s.address, "GET", "/model_info")[1]["weight_version"] == str(version)
+
+
+@pytest.mark.parametrize("tp, pp, flatten", [(2, 1, True), (1, 2, False)])
+def test_sync_from_a_sharded_actor_makes_servers_equal_to_to_hf(servers, tp, pp, flatten):
+    version = 10 * tp + pp
+    # 0.02 MB buckets: smaller than the 64 KB embedding, which must travel alone.
+    results = run_gloo(_sync_worker, 2, tp, pp, [s.address for s in servers], version, 0.02, flatten)
+    hf = {k: v for r in results for k, v in r["hf"].items()}
+    _, reference, _ = tiny_qwen2(0, vocab=VOCAB)
+    assert set(hf) == set(reference)  # every stage's weights, nothing else
+    _check_servers_equal(servers, hf, version)
+    for r in results:  # fp32 on both sides: the servers compute what the actor computes
+        torch.testing.assert_close(r["server_logp"], r["logp"], atol=1e-5, rtol=0)
+    senders = [r for r in results if r["buckets"]]
+    assert all(r["stats"].bytes > 0 and not r["stats"].failures for r in senders)
+    assert any(1 in r["buckets"] and max(r["buckets"]) >= 1 for r in senders)
+
+
+def test_plan_keeps_tensors_whole_and_gives_an_oversized_one_its_own_bucket():
+    assert assign_buckets([5, 5, 20, 3, 3, 3], 10) == [[0, 1], [2], [3, 4, 5]]
+    assert assign_buckets([11], 10) == [[0]]
+    with pytest.raises(ValueError, match="budget must be > 0"):
+        assign_buckets([1], 0)
+    config, state, model = tiny_qwen2(0, vocab=VOCAB)
+    args = ModelArgs.from_hf(config)
+    from areal_mcore.model import adapter
+    shard = adapter.from_hf(state, args, tp_rank=0, tp_size=2, pp_rank=0, pp_size=1, padded_vocab=256)
+    budget = 20_000  # bytes; the bf16 embedding (250 x 64 x 2 = 32 KB) exceeds it
+    plan = make_plan({n: t.shape for n, t in shard.items()}, args, tp_size=2, pp_rank=0, pp_size=1,
+                     dtype="bfloat16", bucket_bytes=budget)
+    names = [n for i in range(len(plan.buckets)) for n in plan.bucket_meta(i)[0]]
+    assert sorted(names) == sorted(state)  # each HF tensor exactly once, unpadded shapes
+    shapes = {n: tuple(s) for i in range(len(plan.buckets)) for n, s in zip(*plan.bucket_meta(i))}
+    assert all(shapes[n] == tuple(state[n].shape) for n in state)
+    for b in plan.buckets:
+        size = sum(u.nbytes(torch.bfloat16) for u in b)
+        assert size <= budget or len(b) == 1
+    assert [u.mcore for u in plan.buckets[0]] == ["embedding.word_embeddings.weight"]
+    assert plan.nbytes == sum(t.numel() * 2 for t in state.values())
+
+
+def _killing_worker(rank, world, addresses, victim_pid):
+    from _actor_setup import tiny_actor
+
+    from areal_mcore.weight_sync.syncer import WeightSyncer
+
+    actor = tiny_actor()
+    cfg = WeightSyncConfig(bucket_mb=1e-6, dtype="float32", flatten=False,  # one tensor per bucket
+                           master_address="127.0.0.1", timeout_s=10)
+    syncer = WeightSyncer(cfg, actor, addresses)
+    first = syncer.plan().bucket_meta(0)[0][0]
+    want = actor.hf_state_dict()[first]
+
+    def kill_once_first_bucket_landed():
+        while True:
+            rows = http(addresses[0], "POST", "/get_weights_by_name",
+                        {"name": first, "truncate_size": want.shape[0]}, timeout=5)[1]
+            if torch.equal(torch.tensor(rows, dtype=torch.float32), want):
+                os.kill(victim_pid, signal.SIGKILL)
+                return
+            time.sleep(0.002)
+
+    async def go():
+        await syncer.connect()
+        killer = threading.Thread(target=kill_once_first_bucket_landed)
+        killer.start()
+        try:
+            await syncer.push(5)
+        except WeightSyncError as e:
+            return str(e), e.failed_servers
+        finally:
+            killer.join()
+            await syncer.close()
+        return None, []
+    return asyncio.run(go())
+
+
+def test_server_killed_mid_update_is_reported_and_the_survivor_stays_paused(tmp_path):
+    model = tiny_hf_dir(str(tmp_path), seed=21)
+    with embedded_servers(model, str(tmp_path / "logs"), n=2) as servers:
+        victim, survivor = servers
+        addresses = [s.address for s in servers]
+        [(message, failed)] = run_gloo(_killing_worker, 1, addresses, victim.proc.pid)
+        assert message is not None, "the push succeeded: the kill came too late"
+        assert victim.address in failed and victim.address in message
+        assert victim.proc.wait(10) == -signal.SIGKILL
+        info = http(survivor.address, "GET", "/server_info")[1]
+        assert info["internal_states"][0]["paused"] is True  # not serving
+        assert info["weight_version"] == "default"  # the new version never arrived
