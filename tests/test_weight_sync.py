@@ -24,7 +24,7 @@ from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncError
 PROMPT = [3, 14, 15, 92, 65]
 
 
-def _sync_worker(rank, world, tp, pp, addresses, version, bucket_mb, flatten):
+def _sync_worker(rank, world, tp, pp, addresses, version, bucket_mb, flatten, disk_dir=None):
     from _actor_setup import tiny_actor
 
     from areal_mcore.packing import pack
@@ -32,7 +32,8 @@ def _sync_worker(rank, world, tp, pp, addresses, version, bucket_mb, flatten):
 
     actor = tiny_actor(tp=tp, pp=pp)  # weights of tiny_qwen2(seed 0); the servers hold seed 21
     cfg = WeightSyncConfig(bucket_mb=bucket_mb, dtype="float32", flatten=flatten,
-                           master_address="127.0.0.1", timeout_s=60)
+                           master_address="127.0.0.1", timeout_s=60,
+                           mode="disk" if disk_dir else "distributed", disk_dir=disk_dir)
     syncer = WeightSyncer(cfg, actor, addresses)
 
     async def go():
@@ -90,6 +91,15 @@ def test_sync_from_a_sharded_actor_makes_servers_equal_to_to_hf(servers, tp, pp,
     senders = [r for r in results if r["buckets"]]
     assert all(r["stats"].bytes > 0 and not r["stats"].failures for r in senders)
     assert any(1 in r["buckets"] and max(r["buckets"]) >= 1 for r in senders)
+
+
+def test_disk_fallback_exports_hf_and_servers_load_it(servers, tmp_path):
+    results = run_gloo(_sync_worker, 2, 1, 2, [s.address for s in servers], 33, 1024, True,
+                       str(tmp_path / "export"))
+    hf = {k: v for r in results for k, v in r["hf"].items()}
+    _check_servers_equal(servers, hf, 33)
+    for r in results:
+        torch.testing.assert_close(r["server_logp"], r["logp"], atol=1e-5, rtol=0)
 
 
 def test_plan_keeps_tensors_whole_and_gives_an_oversized_one_its_own_bucket():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import uuid
 from dataclasses import dataclass
 
@@ -50,6 +49,7 @@ class _State:
         self.model = model
         self.groups: dict[str, object] = {}
         self.updating = False  # between begin_weight_update and end_weight_update
+        self.recv_buffer = W.ReusableBuffer()
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -286,17 +286,17 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         engine.abort(abort_all=True, message="Aborted for a weight update")
 
     def receive_and_load():
-        # Receive everything before loading anything: a failed broadcast leaves the old
-        # weights whole rather than a mix.
-        if flat:  # one broadcast per bucket: the tensors back to back, in order
-            flat_t = torch.empty(sum(math.prod(s) for s in shapes), dtype=W.DTYPES[dtypes[0]])
+        # A bucket is no more atomic than the whole update (which the caller pauses
+        # around), so tensors whose dtype matches land directly in their parameters.
+        if flat and len(set(dtypes)) == 1:  # one broadcast into a reused buffer
+            flat_t, views = st.recv_buffer.views(shapes, W.DTYPES[dtypes[0]])
             W.broadcast(group, flat_t, src=0)
-            parts = flat_t.split([math.prod(s) for s in shapes])
-            received = [(n, p.view(s)) for n, p, s in zip(names, parts, shapes)]
+            received = list(zip(names, views))
         else:
             received = []
             for name, dtype, shape in zip(names, dtypes, shapes):
-                t = torch.empty(shape, dtype=W.DTYPES[dtype])
+                t = W.receive_target(st.model, name, W.DTYPES[dtype])
+                t = torch.empty(shape, dtype=W.DTYPES[dtype]) if t is None else t
                 W.broadcast(group, t, src=0)
                 received.append((name, t))
         W.load_weights(st.model, received)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 from collections.abc import Iterable
 
@@ -38,6 +39,28 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> N
     group.broadcast(tensor, src).wait()
 
 
+class ReusableBuffer:
+    """A growing flat buffer per dtype whose slices hold one bucket's tensors back to back.
+
+    Reused by every update: allocating a fresh bucket each time costs page faults on CPU
+    (and allocator churn on GPU), and the flat view is what a flattened bucket sends.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = device
+        self._bufs: dict[torch.dtype, torch.Tensor] = {}
+
+    def views(self, shapes: list[list[int]], dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(the flat slice, one view per shape) — valid until the next call."""
+        sizes = [math.prod(s) for s in shapes]
+        total = sum(sizes)
+        buf = self._bufs.get(dtype)
+        if buf is None or buf.numel() < total:
+            buf = self._bufs[dtype] = torch.empty(total, dtype=dtype, device=self.device)
+        flat = buf[:total]
+        return flat, [p.view(s) for p, s in zip(flat.split(sizes), shapes)]
+
+
 def _skipped(model, name: str) -> bool:
     tied = getattr(model.config, "tie_word_embeddings", False)
     return "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
@@ -59,6 +82,14 @@ def check_weights(model, names: list[str], shapes: list[list[int]]) -> None:
         raise ValueError("; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
 
 
+def receive_target(model, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The parameter itself when a broadcast can land in it (same dtype, contiguous)."""
+    if _skipped(model, name):
+        return None
+    p = model.get_parameter(name)
+    return p.data if p.dtype == dtype and p.is_contiguous() else None
+
+
 @torch.no_grad()
 def load_weights(model, named: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Copies tensors into the model's parameters by HF name; returns how many loaded."""
@@ -67,7 +98,8 @@ def load_weights(model, named: Iterable[tuple[str, torch.Tensor]]) -> int:
     for name, tensor in named:
         if _skipped(model, name):
             continue
-        params[name].copy_(tensor)
+        if params[name].data_ptr() != tensor.data_ptr():  # not received in place
+            params[name].copy_(tensor)
         loaded += 1
     return loaded
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from areal_mcore.model import adapter
 from areal_mcore.rollout.client import ClientConfig, RolloutClient, RolloutError
 from areal_mcore.rollout.launcher import free_port
-from areal_mcore.rollout.weights import init_weight_group
+from areal_mcore.rollout.weights import ReusableBuffer, init_weight_group
 from areal_mcore.weight_sync.plan import DTYPES, SyncPlan, make_plan, plan_key
 
 MODES = ("distributed", "disk")
@@ -104,6 +104,8 @@ class WeightSyncer:
                        if self.is_sender else None)
         self._plan: SyncPlan | None = None
         self._group = None
+        device = next(actor.model.module.parameters()).device
+        self._buffers = (ReusableBuffer(device), ReusableBuffer(device))
         self.group_name = f"{cfg.group_name}_pp{g.pp_rank}"
 
     # ---- plan --------------------------------------------------------------------------
@@ -264,12 +266,13 @@ class WeightSyncer:
             return None
         hf = adapter.to_hf(shards, self.actor.args, pp_rank=g.pp_rank, pp_size=g.pp_size,
                            only=set(names))
-        order, _ = plan.bucket_meta(i)
-        tensors = [hf[n].to(DTYPES[plan.dtype]) for n in order]
-        out = [torch.cat([t.reshape(-1) for t in tensors])] if self.cfg.flatten else \
-            [t.contiguous() for t in tensors]
+        order, shapes = plan.bucket_meta(i)
+        # Two buffers: bucket i + 1 is filled while bucket i is on the wire.
+        flat, views = self._buffers[i % 2].views(shapes, DTYPES[plan.dtype])
+        for view, name in zip(views, order):
+            view.copy_(hf[name])  # cast and pack in one pass
         stats.convert_s += time.perf_counter() - t1
-        return out
+        return [flat] if self.cfg.flatten else views
 
     def _broadcast(self, payload: list[torch.Tensor]) -> None:
         works = [self._group.broadcast(t, 0) for t in payload]  # queued back to back

@@ -1,0 +1,201 @@
+"""Weight sync on CPU/gloo: our bucketed sync vs one raw broadcast of the same bytes.
+
+A random ~156M-parameter Qwen2 (hidden 1024, 8 layers, vocab 32k) as a megatron actor
+(TP=1), two embedded servers (bf16), rollout dtype bf16. In one run: a raw gloo
+``broadcast`` of the same number of bytes to two plain receiver processes (the
+baseline), then full syncs (pause -> buckets -> flush -> resume) for bucket sizes 64 MB
+... 2 GB, flattened and per tensor, with the time split. The cost model of
+``areal_mcore/weight_sync/projection.py`` is calibrated with numbers measured here
+(link bandwidth, per-message latency, HTTP round trip, copy bandwidth), compared with
+every measured sync, then used for the 1.5B/7B/32B x 16/128/1024-GPU projection.
+Run: ``python bench/weight_sync.py`` (about 2 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from areal_mcore.rollout.client import ClientConfig, RolloutClient
+from areal_mcore.rollout.launcher import ServerConfig, free_port, launch_servers
+from areal_mcore.rollout.weights import broadcast, init_weight_group
+from areal_mcore.weight_sync.projection import GPU_LINK, LinkModel, predict_sync_s, projection_table
+from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncer
+
+RESULTS = Path(__file__).parent / "results" / "weight_sync.json"
+MB = 2**20
+
+
+def hf_config(small: bool):
+    from transformers import Qwen2Config
+
+    if small:  # the smoke-test size
+        return Qwen2Config(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return Qwen2Config(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024)
+
+
+def _receiver(rank, port, numel, n_small, world):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    group = init_weight_group(master_address="127.0.0.1", master_port=port, rank=rank + 1,
+                              world_size=world, group_name="raw", backend="gloo")
+    small = torch.empty(1, dtype=torch.bfloat16)
+    for _ in range(n_small):
+        broadcast(group, small)
+    big = torch.empty(numel, dtype=torch.bfloat16)
+    for _ in range(3):
+        broadcast(group, big)
+
+
+def raw_broadcast(nbytes: int, receivers: int, n_small: int = 200) -> tuple[float, float]:
+    """(seconds of the best of 3 raw broadcasts of ``nbytes``, per-message latency)."""
+    port, numel = free_port(), nbytes // 2
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_receiver, args=(r, port, numel, n_small, receivers + 1))
+             for r in range(receivers)]
+    for p in procs:
+        p.start()
+    group = init_weight_group(master_address="127.0.0.1", master_port=port, rank=0,
+                              world_size=receivers + 1, group_name="raw", backend="gloo")
+    small = torch.zeros(1, dtype=torch.bfloat16)
+    t = time.perf_counter()
+    for _ in range(n_small):
+        broadcast(group, small)
+    alpha = (time.perf_counter() - t) / n_small
+    big = torch.ones(numel, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        broadcast(group, big)
+        best = min(best, time.perf_counter() - t)
+    for p in procs:
+        p.join()
+    return best, alpha
+
+
+def copy_GBps(nbytes: int, src_dtype: torch.dtype) -> float:
+    """Bytes written per second by a copy into bf16 (from bf16: a load; from fp32: a cast)."""
+    src = torch.ones(nbytes // 2, dtype=src_dtype)
+    dst = torch.empty(nbytes // 2, dtype=torch.bfloat16)
+    dst.copy_(src)
+    t = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    return 3 * nbytes / (time.perf_counter() - t) / 1e9
+
+
+async def http_rtt(addresses: list[str], n: int = 20) -> float:
+    async with RolloutClient(ClientConfig(addresses=addresses)) as client:
+        await client.flush_cache()
+        t = time.perf_counter()
+        for _ in range(n):
+            await client.flush_cache()
+        return (time.perf_counter() - t) / n
+
+
+async def one_config(actor, addresses, bucket_mb: float, flatten: bool):
+    cfg = WeightSyncConfig(bucket_mb=bucket_mb, flatten=flatten, dtype="bfloat16",
+                           master_address="127.0.0.1")
+    syncer = WeightSyncer(cfg, actor, addresses)
+    await syncer.connect()
+    await syncer.push(1)  # warm-up: allocations, connections
+    stats = await syncer.push(2)
+    await syncer.close()
+    if stats.failures:
+        raise RuntimeError(stats.failures)
+    return stats, syncer.plan()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true", help="a tiny model (smoke test)")
+    ap.add_argument("--buckets", default="64,256,1024,2048", help="bucket sizes in MB")
+    ap.add_argument("--out", default=str(RESULTS), help="where the JSON results go ('' for nowhere)")
+    a = ap.parse_args(argv)
+    buckets = [float(b) for b in a.buckets.split(",")]
+
+    from transformers import Qwen2ForCausalLM
+
+    from areal_mcore.actor import MegatronActor
+    from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    config = hf_config(a.small)
+    actor = MegatronActor(ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=1024),
+                                      optimizer=OptimizerConfig(lr=1e-5)), config)
+    with tempfile.TemporaryDirectory() as root:
+        torch.manual_seed(1)
+        Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(os.path.join(root, "hf"))
+        servers = launch_servers(ServerConfig(model_path=os.path.join(root, "hf"), n_servers=2,
+                                              dtype="bfloat16", context_length=1024,
+                                              log_dir=os.path.join(root, "logs")),
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})  # 2 cores, 3 processes
+        addresses = [s.address for s in servers]
+        try:
+            rows = []
+            for bucket_mb in buckets:
+                for flatten in (True, False):
+                    stats, plan = asyncio.run(one_config(actor, addresses, bucket_mb, flatten))
+                    rows.append({"bucket_mb": bucket_mb, "flatten": flatten, "buckets": stats.buckets,
+                                 "tensors": sum(len(u.hf) for b in plan.buckets for u in b),
+                                 "bytes": stats.bytes, "total_s": stats.total_s, "gather_s": stats.gather_s,
+                                 "convert_s": stats.convert_s, "http_s": stats.http_s, "wire_s": stats.wire_s})
+            nbytes = rows[0]["bytes"]
+            rtt = asyncio.run(http_rtt(addresses))
+        finally:
+            for s in servers:
+                s.stop()
+    raw_s, alpha = raw_broadcast(nbytes, receivers=2)
+    raw_GBps = nbytes / raw_s / 1e9
+    cpu = LinkModel(link_GBps=raw_GBps, alpha_s=alpha / 2, rtt_s=rtt,
+                    load_GBps=copy_GBps(nbytes, torch.bfloat16), gather_GBps=1e9,  # TP=1: no gather
+                    convert_GBps=copy_GBps(nbytes, torch.float32))
+    for r in rows:
+        r["GBps"] = r["bytes"] / r["total_s"] / 1e9
+        r["ratio_to_raw"] = r["GBps"] / raw_GBps
+        r["predicted_s"] = predict_sync_s(r["bytes"], receivers=2, bucket_bytes=r["bucket_mb"] * MB,
+                                          tensors=r["tensors"], flatten=r["flatten"], tp=1, link=cpu)["total_s"]
+        r["error"] = r["predicted_s"] / r["total_s"] - 1
+
+    print(f"payload {nbytes / 1e6:.0f} MB bf16 to 2 embedded servers; raw gloo broadcast "
+          f"{raw_GBps:.2f} GB/s ({raw_s * 1e3:.0f} ms), per-message latency {alpha * 1e6:.0f} us, "
+          f"HTTP round trip {rtt * 1e3:.1f} ms, copy {cpu.load_GBps:.1f} GB/s, "
+          f"fp32->bf16 cast {cpu.convert_GBps:.1f} GB/s")
+    print(f"{'bucket MB':>9} {'flat':>5} {'#b':>4} {'total ms':>9} {'GB/s':>6} {'/raw':>5} "
+          f"{'gather':>7} {'convert':>8} {'http':>7} {'wire':>7} {'model ms':>9} {'err':>6}")
+    for r in rows:
+        print(f"{r['bucket_mb']:>9g} {('yes' if r['flatten'] else 'no'):>5} {r['buckets']:>4} "
+              f"{r['total_s'] * 1e3:>9.0f} {r['GBps']:>6.2f} {r['ratio_to_raw']:>5.2f} "
+              f"{r['gather_s'] * 1e3:>7.0f} {r['convert_s'] * 1e3:>8.0f} {r['http_s'] * 1e3:>7.0f} "
+              f"{r['wire_s'] * 1e3:>7.0f} {r['predicted_s'] * 1e3:>9.0f} {r['error']:>+6.0%}")
+    best = max(rows, key=lambda r: r["ratio_to_raw"])
+    print(f"best: {best['bucket_mb']:g} MB {'flattened' if best['flatten'] else 'per tensor'}: "
+          f"{best['ratio_to_raw']:.2f}x raw broadcast; model error "
+          f"{min(r['error'] for r in rows):+.0%} .. {max(r['error'] for r in rows):+.0%}")
+
+    table = projection_table(GPU_LINK)
+    print("\nprojection, 400 Gb/s GDRDMA, NCCL ring, 1 GB flattened buckets (3/4 of GPUs serve):")
+    print(f"{'model':>6} {'GPUs':>5} {'receivers':>9} {'total s':>8} {'wire s':>7} {'http s':>7}")
+    for t in table:
+        print(f"{t['model']:>6} {t['gpus']:>5} {t['receivers']:>9} {t['total_s']:>8.2f} "
+              f"{t['wire_s']:>7.2f} {t['http_s']:>7.3f}")
+    result = {"raw_GBps": raw_GBps, "alpha_s": alpha, "rtt_s": rtt, "rows": rows, "projection": table}
+    if a.out:
+        Path(a.out).parent.mkdir(exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
