@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 from queue import Empty
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from areal_mcore.rollout.launcher import free_port
 
 
 def _worker(rank, world_size, port, fn, args, queue):

@@ -45,7 +45,10 @@ def test_kill_9_one_of_two_servers_mid_batch_loses_and_duplicates_nothing(tmp_pa
     assert {c.rid for c in out} == {f"p{i}-s{j}" for i in range(64) for j in range(4)}
     assert all(len(c.output_ids) == new_tokens == len(c.logprobs) for c in out)
     assert all(c.finish_reason["type"] == "length" for c in out)
-    assert in_flight_on_victim > 0 and sum(c.attempts for c in out) >= in_flight_on_victim
+    # Requests in flight on the victim failed over once each (a few may have had their
+    # answer on the wire already); none needed more than one retry.
+    moved = sum(c.attempts for c in out)
+    assert 0 < moved <= in_flight_on_victim and all(c.attempts <= 1 for c in out)
     assert healthy == [False, True]
 
 

@@ -180,8 +180,8 @@ class RolloutController:
         self._groups.discard(task)
         self.running -= 1
         if task.cancelled():
-            pass
-        elif task.exception() is not None:
+            return
+        if task.exception() is not None:
             self._error = task.exception()
         else:
             self.accepted += 1

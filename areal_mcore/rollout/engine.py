@@ -259,7 +259,8 @@ class DecodeEngine:
         """Removes finished rows from the batch and trims all-padding cache columns."""
         if not rows:
             return
-        keep = [i for i in range(len(self._running)) if i not in set(rows)]
+        gone = set(rows)
+        keep = [i for i in range(len(self._running)) if i not in gone]
         self._running = [self._running[i] for i in keep]
         if not keep:
             self._kv = self._mask_BL = None

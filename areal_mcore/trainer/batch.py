@@ -1,0 +1,53 @@
+"""Rollout samples -> the actor's packed training batch, with boba's advantages.
+
+Legend: B sequences (prompt + response), T packed tokens.
+
+Per sequence: reward transform ((r + bias) * scaling, clipped), reward normalisation
+(boba: per group of n_samples), then GAE over the response tokens (boba: γ = λ = 1 and no
+critic, so every response token gets the sequence's normalised reward), then advantage
+normalisation over all response tokens of the batch on every data-parallel rank.
+Logprobs follow the actor's convention: position t holds log p(token t | tokens < t),
+so the response tokens are the loss tokens and prompt positions hold 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from areal_mcore.algo import gae_packed, normalize, transform_reward
+from areal_mcore.config import PPOConfig
+from areal_mcore.packing import PackedBatch, pack
+
+
+def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | None = None,
+                   pad_to_multiple_of: int = 1) -> PackedBatch:
+    """Packs ``samples`` (``rollout.controller.Sample``: prompt_ids, output_ids, logprobs,
+    versions, reward) with fields loss_mask, behave (rollout logprobs), versions, adv.
+
+    Groups must be contiguous (as the controller returns them) for group normalisation.
+    """
+    if any(not s.output_ids for s in samples):
+        raise ValueError("a sample has an empty response: nothing to train on")
+    seqs, fields = [], {"loss_mask": [], "behave": [], "versions": []}
+    for s in samples:
+        n_prompt, n_out = len(s.prompt_ids), len(s.output_ids)
+        seqs.append(torch.tensor(list(s.prompt_ids) + list(s.output_ids)))
+        fields["loss_mask"].append(torch.cat([torch.zeros(n_prompt), torch.ones(n_out)]).bool())
+        fields["behave"].append(torch.cat([torch.zeros(n_prompt), torch.tensor(s.logprobs).float()]))
+        fields["versions"].append(torch.tensor([-1] * n_prompt + list(s.versions)))
+    batch = pack(seqs, fields, pad_to_multiple_of=pad_to_multiple_of)
+
+    rewards_B = transform_reward(torch.tensor([float(s.reward) for s in samples]),
+                                 bias=ppo.reward_bias, scaling=ppo.reward_scaling, clip=ppo.reward_clip)
+    if ppo.reward_norm is not None:
+        rewards_B = normalize(rewards_B, **dataclasses.asdict(ppo.reward_norm), group=dp_group)
+    mask_T = batch.fields["loss_mask"]
+    adv_T, _ = gae_packed(rewards_B, batch.cu_seqlens_padded, gamma=ppo.discount, lam=ppo.gae_lambda,
+                          loss_mask_T=mask_T)
+    if ppo.adv_norm is not None:
+        adv_T = normalize(adv_T, **dataclasses.asdict(ppo.adv_norm), mask=mask_T, group=dp_group)
+    batch.fields["adv"] = adv_T
+    return batch
