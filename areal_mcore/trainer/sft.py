@@ -1,0 +1,69 @@
+"""SFT on the actor: token-level NLL over the response tokens of packed
+(prompt, response) pairs — boba's SFT-200 recipe, and the warm-up that teaches the tiny
+CPU model the ``\\boxed{}`` format before RL.
+
+Legend: T packed tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from areal_mcore.packing import PackedBatch, pack
+
+
+def sft_pairs(problems, tokenizer, *, response_template: str = "The answer is {solution}.",
+              suffix: str | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids through the chat template, response ids ending in the end-of-turn token).
+
+    ``response_template`` gets each problem's first gold solution as ``{solution}``.
+    """
+    from areal_mcore.data.prompts import build_prompts
+
+    prompts, dropped = build_prompts(problems, tokenizer, max_prompt_tokens=1 << 30, suffix=suffix)
+    assert not dropped  # no length limit was asked for
+    eos = tokenizer.eos_token_id
+    pairs = []
+    for p in prompts:
+        text = response_template.format(solution=p.solutions[0])
+        pairs.append((p.input_ids, tokenizer.encode(text, add_special_tokens=False) + [eos]))
+    return pairs
+
+
+def sft_batch(pairs: list[tuple[list[int], list[int]]], *, pad_to_multiple_of: int = 1) -> PackedBatch:
+    """Packs pairs; ``loss_mask`` marks the response tokens (the actor's logprob at
+    position t scores token t, so the mask sits on the tokens themselves)."""
+    if any(not r for _, r in pairs):
+        raise ValueError("an SFT pair has an empty response")
+    seqs = [torch.tensor(list(p) + list(r)) for p, r in pairs]
+    masks = [torch.cat([torch.zeros(len(p)), torch.ones(len(r))]).bool() for p, r in pairs]
+    return pack(seqs, {"loss_mask": masks}, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def sft_loss(logprobs_T: torch.Tensor, mb: PackedBatch, num_global_tokens: torch.Tensor):
+    """NLL summed over this micro-batch's response tokens / all response tokens of the
+    minibatch on every DP rank: the micro-batch losses add up to the token mean."""
+    mask_T = mb.fields["loss_mask"].to(logprobs_T.dtype)
+    nll = -(logprobs_T * mask_T).sum()
+    return nll / num_global_tokens, {"nll_sum": nll.detach(), "tokens": mask_T.sum()}
+
+
+def train_sft(actor, pairs, *, steps: int, batch_size: int, seed: int = 1) -> list[float]:
+    """``steps`` optimizer steps on shuffled batches of ``pairs`` (epochs wrap around);
+    returns the per-step mean NLL. Every rank passes the same pairs and takes its DP share."""
+    g = actor.groups
+    order: list[int] = []
+    rng = random.Random(seed)
+    losses = []
+    for _ in range(steps):
+        while len(order) < batch_size:
+            epoch = list(range(len(pairs)))
+            rng.shuffle(epoch)
+            order += epoch
+        batch, order = order[:batch_size], order[batch_size:]
+        mine = [pairs[i] for i in batch[g.dp_rank::g.dp_size]]
+        out = actor.train_batch(sft_batch(mine), sft_loss)
+        losses.append(out["loss"][0])
+    return losses
