@@ -26,6 +26,11 @@ from omegaconf.errors import (
 )
 
 from areal_mcore.algo.normalize import LEVELS as NORM_LEVELS
+from areal_mcore.data.jsonl import DatasetConfig
+from areal_mcore.reward.pool import RewardPoolConfig
+from areal_mcore.rollout.controller import RolloutConfig
+from areal_mcore.rollout.launcher import ServerConfig
+from areal_mcore.weight_sync.syncer import WeightSyncConfig
 
 
 class ConfigError(ValueError):
@@ -192,13 +197,39 @@ class ActorConfig:
 
 
 @dataclass(kw_only=True)
+class TrainerConfig:
+    """The RL loop's schedule."""
+
+    total_steps: int
+    batch_size: int  # prompts per step (each sampled rollout.n_samples times)
+    save_freq: int = 0  # steps between checkpoints; 0: never
+    log_dir: str = "runs"  # the run writes under log_dir/experiment_name
+    max_prompt_tokens: int = 1024  # longer prompts are dropped (and counted)
+
+    def __post_init__(self):
+        _check_positive("total_steps", self.total_steps)
+        _check_positive("batch_size", self.batch_size)
+        _check_positive("save_freq", self.save_freq, allow_zero=True)
+        _check_positive("max_prompt_tokens", self.max_prompt_tokens)
+
+
+@dataclass(kw_only=True)
 class ExperimentConfig:
-    """Root of every YAML file under configs/."""
+    """Root of every YAML file under configs/. Sections other than the actor's are
+    optional so that tools needing only the actor (conversion) load the same files."""
 
     experiment_name: str
     seed: int = 1
+    model_path: str | None = None  # HF folder: initial weights and the servers' model
+    tokenizer_path: str | None = None  # None: model_path
     actor: ActorConfig
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    dataset: DatasetConfig | None = None
+    rollout: RolloutConfig | None = None
+    server: ServerConfig | None = None
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    reward: RewardPoolConfig = field(default_factory=RewardPoolConfig)
+    trainer: TrainerConfig | None = None
 
 
 # --------------------------------------------------------------------------- loading

@@ -37,6 +37,8 @@ class ServerConfig:
     log_dir: str = "logs/rollout"
     startup_timeout_s: float = 600.0
     extra_args: list[str] = field(default_factory=list)
+    # Servers already running (host:port); when set, nothing is launched.
+    addresses: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

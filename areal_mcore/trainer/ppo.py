@@ -1,0 +1,161 @@
+"""The boba RL loop, synchronous mode: rollout -> rewards -> advantages -> train -> sync.
+
+Every rank runs ``train(cfg)`` (torchrun or the tests' gloo spawner). Global rank 0 owns
+the rollout side (servers, client, controller, reward pool) and hands each data-parallel
+replica its share of the prompt groups; all ranks train and take part in weight sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+import torch.distributed as dist
+
+from areal_mcore.algo import ppo_actor_loss, reduce_ppo_stats
+from areal_mcore.config import ExperimentConfig, PPOConfig
+from areal_mcore.trainer.batch import to_train_batch
+
+
+def ppo_loss(ppo: PPOConfig, logprobs_T, mb, num_global_tokens):
+    """The actor's loss: clipped PPO against the recomputed proximal logprobs, with the
+    behaviour (rollout) logprobs in the decoupled form when configured."""
+    f = mb.fields
+    return ppo_actor_loss(
+        logprobs_T, f["prox"], f["adv"], f["loss_mask"], num_global_tokens=num_global_tokens,
+        eps_clip=ppo.eps_clip, eps_clip_high=ppo.eps_clip_high, c_clip=ppo.c_clip,
+        behave_logprobs_T=f["behave"] if ppo.use_decoupled_loss else None,
+        behav_imp_weight_cap=ppo.behav_imp_weight_cap)
+
+
+def train(cfg: ExperimentConfig) -> list[dict]:
+    """Runs ``cfg.trainer.total_steps`` PPO steps; returns the per-step stats (rank 0)."""
+    run = PPORun(cfg)
+    try:
+        for step in range(cfg.trainer.total_steps):
+            t0 = time.perf_counter()
+            samples, rollout_stats = run.rollout()
+            batch = to_train_batch(samples, cfg.ppo, dp_group=run.actor.groups.dp)
+            batch.fields["prox"] = run.actor.compute_logprobs(batch)  # π_old of the ratio
+            train_stats = run.actor.train_batch(batch, partial(ppo_loss, cfg.ppo),
+                                                cfg.ppo.ppo_n_minibatches, reduce_stats=reduce_ppo_stats)
+            sync_stats = run.sync(version=step + 1)
+            run.log(step, rollout_stats, train_stats, sync_stats, time.perf_counter() - t0)
+    finally:
+        run.close()
+    return run.history
+
+
+class PPORun:
+    """The loop's collaborators, built from the config; one per rank."""
+
+    def __init__(self, cfg: ExperimentConfig):
+        from transformers import AutoConfig, AutoTokenizer
+
+        from areal_mcore.actor import MegatronActor
+        from areal_mcore.rollout.weights import read_hf_dir
+        from areal_mcore.weight_sync.syncer import WeightSyncer
+
+        for section in ("model_path", "dataset", "rollout", "server", "trainer"):
+            if getattr(cfg, section) is None:
+                raise ValueError(f"training needs the config section/key {section!r}")
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.run_dir = Path(cfg.trainer.log_dir) / cfg.experiment_name
+        self.loop = asyncio.new_event_loop()
+        self.history: list[dict] = []
+        self.actor = MegatronActor(cfg.actor, AutoConfig.from_pretrained(cfg.model_path), seed=cfg.seed,
+                                   total_optimizer_steps=cfg.trainer.total_steps * cfg.ppo.ppo_n_minibatches)
+        self.actor.load_hf_state_dict(read_hf_dir(cfg.model_path))
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)
+        self.servers, self.pool, self.client, self.controller = [], None, None, None
+        box = [None]
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            box[0] = self._start_rollout()
+        dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
+        self.syncer = WeightSyncer(cfg.weight_sync, self.actor, box[0], api_key=cfg.server.api_key)
+        self.loop.run_until_complete(self.syncer.connect())
+
+    def _start_rollout(self) -> list[str]:
+        from areal_mcore.data.jsonl import load_problems
+        from areal_mcore.data.prompts import build_prompts
+        from areal_mcore.data.sampler import EpochSampler
+        from areal_mcore.reward.pool import RewardPool
+        from areal_mcore.rollout.client import ClientConfig, RolloutClient
+        from areal_mcore.rollout.controller import RolloutController
+        from areal_mcore.rollout.launcher import launch_servers
+
+        cfg = self.cfg
+        problems, _ = load_problems(cfg.dataset)
+        self.prompts, dropped = build_prompts(problems, self.tokenizer,
+                                              max_prompt_tokens=cfg.trainer.max_prompt_tokens)
+        print(f"[ppo] {len(self.prompts)} prompts ({dropped} longer than "
+              f"{cfg.trainer.max_prompt_tokens} tokens dropped)", flush=True)
+        self.sampler = EpochSampler(len(self.prompts), cfg.trainer.batch_size, cfg.seed)
+        addresses = list(cfg.server.addresses)
+        if not addresses:
+            server_cfg = cfg.server
+            if server_cfg.log_dir == "logs/rollout":  # the default: keep server logs with the run
+                server_cfg = dataclasses.replace(server_cfg, log_dir=str(self.run_dir / "servers"))
+            self.servers = launch_servers(server_cfg)
+            addresses = [s.address for s in self.servers]
+        self.pool = RewardPool(cfg.reward)
+        self.client = RolloutClient(ClientConfig(addresses=addresses, api_key=cfg.server.api_key))
+        self.loop.run_until_complete(self.client.start())
+        self.controller = RolloutController(
+            cfg.rollout, self.client, self.pool.ascore,
+            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        return addresses
+
+    def rollout(self):
+        """Rank 0 samples the batch; every rank returns its data-parallel share."""
+        box = [None, None]
+        if self.rank == 0:
+            batch = [self.prompts[i] for i in self.sampler.next_batch()]
+            out = self.loop.run_until_complete(self.controller.rollout_batch(batch))
+            box = [out.samples, out.stats]
+        dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
+        samples, stats = box
+        g, n = self.actor.groups, self.cfg.rollout.n_samples
+        groups = [samples[i:i + n] for i in range(0, len(samples), n)]
+        return [s for grp in groups[g.dp_rank::g.dp_size] for s in grp], stats
+
+    def sync(self, version: int) -> dict:
+        stats = self.loop.run_until_complete(self.syncer.push(version))
+        out = {"sync/time_s": stats.total_s, "sync/bytes": float(stats.bytes)}
+        if self.rank == 0:
+            self.controller.set_version(version)
+            versions = self.loop.run_until_complete(self.client.weight_versions())
+            out["sync/server_versions"] = versions
+        return out
+
+    def log(self, step: int, rollout_stats: dict, train_stats: dict, sync_stats: dict, step_s: float):
+        row = {"step": step + 1, **rollout_stats, **sync_stats, "time/step_s": step_s,
+               "train/loss": train_stats["loss"], "train/grad_norm": train_stats["grad_norm"],
+               "train/time_s": train_stats["time_s"],
+               **{f"train/{k}": float(v) for k, v in train_stats.get("stats", {}).items()}}
+        self.history.append(row)
+        if self.rank == 0:
+            with open(self.run_dir / "stats.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"[ppo] step {step + 1}/{self.cfg.trainer.total_steps} "
+                  f"reward {rollout_stats['rollout/reward_mean']:.3f} "
+                  f"len {rollout_stats['rollout/response_len_mean']:.1f} "
+                  f"loss {sum(train_stats['loss']) / len(train_stats['loss']):+.4f} "
+                  f"sync {sync_stats['sync/time_s']:.2f}s step {step_s:.1f}s", flush=True)
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.syncer.close())
+        if self.client is not None:
+            self.loop.run_until_complete(self.client.close())
+        if self.pool is not None:
+            self.pool.close()
+        for s in self.servers:
+            s.stop()
+        self.loop.close()
+        dist.barrier(group=dist.group.WORLD)
