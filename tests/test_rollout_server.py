@@ -11,6 +11,7 @@ import pytest
 import torch
 from _rollout import embedded_servers, http, tiny_hf_dir
 
+from areal_mcore.convert.hf_files import load_hf_state_dict
 from areal_mcore.rollout import weights as W
 from areal_mcore.rollout.launcher import ServerConfig, free_port
 from areal_mcore.rollout.server import parse_args
@@ -85,7 +86,7 @@ def test_default_bind_is_loopback(server):
 
 
 def test_weight_update_over_gloo_is_bitwise_and_bumps_the_version(server, model_dir):
-    state = W.read_hf_dir(model_dir)
+    state = load_hf_state_dict(model_dir)
     g = torch.Generator().manual_seed(0)
     new = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in state.items()}
     port = free_port()
@@ -126,7 +127,7 @@ def test_weight_update_over_gloo_is_bitwise_and_bumps_the_version(server, model_
 def test_update_weights_from_disk_loads_by_name(server, model_dir, tmp_path):
     from safetensors.torch import save_file
 
-    state = W.read_hf_dir(model_dir)
+    state = load_hf_state_dict(model_dir)
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     status, out = _call(server, "POST", "/update_weights_from_disk",
                         {"model_path": str(tmp_path), "weight_version": "7"})
@@ -136,7 +137,7 @@ def test_update_weights_from_disk_loads_by_name(server, model_dir, tmp_path):
     assert torch.equal(torch.tensor(rows), state[name])
     assert _call(server, "GET", "/model_info")[1]["weight_version"] == "7"
     status, out = _call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "no")})
-    assert status == 400 and "no model.safetensors" in out["message"]
+    assert status == 400 and "model.safetensors not found" in out["message"]
 
 
 def test_flush_cache_is_refused_while_requests_run(server):

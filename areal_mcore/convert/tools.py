@@ -9,13 +9,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from pathlib import Path
 
 import torch
 
+from areal_mcore.convert.hf_files import hf_tensor_names, load_hf_state_dict
 from areal_mcore.convert.hf_writer import ShardedSafetensorsWriter, write_model_files
 from areal_mcore.convert.mcore_reader import McoreCheckpointReader
 from areal_mcore.model import adapter
@@ -195,35 +195,3 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        names = ["model.safetensors"]
-    for name in names:
-        if not (folder / name).exists():
-            raise FileNotFoundError(f"{folder / name} not found (an HF folder has model.safetensors "
-                                    f"or model.safetensors.index.json and its shards)")
-    return [folder / n for n in names]
-
-
-def hf_tensor_names(folder: str | Path) -> list[str]:
-    """The tensor names of an HF folder, read from the file headers only."""
-    from safetensors import safe_open
-
-    names = []
-    for path in _safetensors_files(Path(folder)):
-        with safe_open(str(path), framework="pt") as f:
-            names += list(f.keys())
-    return names
-
-
-def load_hf_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF folder (sharded or single safetensors file)."""
-    from safetensors.torch import load_file
-
-    state = {}
-    for path in _safetensors_files(Path(folder)):
-        state.update(load_file(str(path)))
-    return state

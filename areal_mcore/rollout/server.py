@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from aiohttp import web
 
+from areal_mcore.convert.hf_files import load_hf_state_dict
 from areal_mcore.rollout import weights as W
 from areal_mcore.rollout.engine import DecodeEngine, Request
 from areal_mcore.rollout.protocol import SGLANG_API_VERSION, SamplingParams
@@ -317,7 +318,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     try:
         if not path:
             raise ValueError("model_path is required")
-        state = await asyncio.to_thread(W.read_hf_dir, path)
+        state = await asyncio.to_thread(load_hf_state_dict, path)
         W.check_weights(st.model, list(state), [list(t.shape) for t in state.values()])
     except (ValueError, FileNotFoundError, OSError) as e:
         return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0},

@@ -5,9 +5,7 @@ skipped, an unknown name or a shape mismatch is an error)."""
 from __future__ import annotations
 
 import datetime
-import json
 import math
-import os
 from collections.abc import Iterable
 
 import torch
@@ -102,21 +100,3 @@ def load_weights(model, named: Iterable[tuple[str, torch.Tensor]]) -> int:
             params[name].copy_(tensor)
         loaded += 1
     return loaded
-
-
-def read_hf_dir(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of an HF checkpoint directory (safetensors, single or sharded)."""
-    from safetensors.torch import load_file
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
-    state = {}
-    for name in files:
-        state.update(load_file(os.path.join(path, name)))
-    return state

@@ -57,7 +57,7 @@ class PPORun:
         from transformers import AutoConfig, AutoTokenizer
 
         from areal_mcore.actor import MegatronActor
-        from areal_mcore.rollout.weights import read_hf_dir
+        from areal_mcore.convert.hf_files import load_hf_state_dict
         from areal_mcore.weight_sync.syncer import WeightSyncer
 
         for section in ("model_path", "dataset", "rollout", "server", "trainer"):
@@ -70,7 +70,7 @@ class PPORun:
         self.history: list[dict] = []
         self.actor = MegatronActor(cfg.actor, AutoConfig.from_pretrained(cfg.model_path), seed=cfg.seed,
                                    total_optimizer_steps=cfg.trainer.total_steps * cfg.ppo.ppo_n_minibatches)
-        self.actor.load_hf_state_dict(read_hf_dir(cfg.model_path))
+        self.actor.load_hf_state_dict(load_hf_state_dict(cfg.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)
         self.servers, self.pool, self.client, self.controller = [], None, None, None
         box = [None]
