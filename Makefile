@@ -30,8 +30,7 @@ bench: install
 	$(PY) bench/rollout_server.py
 
 run: install
-	@echo "make run (the tiny CPU boba run end to end) arrives with the trainer issue (#8)." >&2
-	@exit 2
+	PY=$(PY) scripts/quickstart.sh
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

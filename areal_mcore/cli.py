@@ -1,4 +1,4 @@
-"""``areal-mcore``: the command-line entry point (subcommands arrive with their issues)."""
+"""``areal-mcore``: the command-line entry point."""
 
 from __future__ import annotations
 
@@ -114,14 +114,62 @@ def run_filter(a) -> int:
     return 0
 
 
+def add_train_parsers(sub) -> None:
+    for name, what in (("train", "boba PPO: rollout servers, rewards, megatron actor, weight sync"),
+                       ("sft", "supervised warm-up of a base model on the dataset's solutions")):
+        p = sub.add_parser(name, help=what, description=f"{what}. Launch with torchrun for "
+                           "several ranks; a plain call runs one rank.",
+                           epilog="example: areal-mcore train --config configs/tiny_cpu.yaml "
+                                  "trainer.total_steps=20 actor.optimizer.lr=1e-5")
+        p.add_argument("--config", required=True, help="YAML file under configs/")
+        p.add_argument("overrides", nargs="*", help="a.b.c=value overrides, applied after the file")
+
+
+def _init_distributed() -> None:
+    """From torchrun's environment, else a one-rank group on this machine."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from areal_mcore.rollout.launcher import free_port
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def run_train(a) -> int:
+    from areal_mcore.config import load_config
+
+    cfg = load_config(a.config, a.overrides)  # config errors surface before any process group
+    _init_distributed()
+    if a.command == "sft":
+        from areal_mcore.trainer.sft import run_sft
+
+        losses = run_sft(cfg)
+        print(f"sft: NLL {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; "
+              f"model written to {cfg.sft.output_dir}")
+    else:
+        from areal_mcore.trainer.ppo import train
+
+        history = train(cfg)
+        print(f"train: {len(history)} steps; stats in {cfg.trainer.log_dir}/{cfg.experiment_name}/stats.jsonl")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="areal-mcore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_convert_parsers(sub)
     add_filter_parsers(sub)
+    add_train_parsers(sub)
     a = parser.parse_args(argv)
     try:
-        return {"convert": run_convert, "filter": run_filter}[a.command](a)
+        return {"convert": run_convert, "filter": run_filter, "train": run_train,
+                "sft": run_train}[a.command](a)
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"areal-mcore {a.command}: error: {e}", file=sys.stderr)
         return 2

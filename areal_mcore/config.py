@@ -214,6 +214,23 @@ class TrainerConfig:
 
 
 @dataclass(kw_only=True)
+class SFTConfig:
+    """Supervised warm-up (``areal-mcore sft``): base model -> HF folder at output_dir."""
+
+    base_model: str  # HF folder to start from
+    output_dir: str  # HF folder written at the end (the RL run's model_path)
+    steps: int
+    batch_size: int
+    response_template: str = "The answer is {solution}."
+
+    def __post_init__(self):
+        _check_positive("steps", self.steps)
+        _check_positive("batch_size", self.batch_size)
+        if "{solution}" not in self.response_template:
+            raise ValueError("response_template must contain {solution}")
+
+
+@dataclass(kw_only=True)
 class ExperimentConfig:
     """Root of every YAML file under configs/. Sections other than the actor's are
     optional so that tools needing only the actor (conversion) load the same files."""
@@ -230,6 +247,7 @@ class ExperimentConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     reward: RewardPoolConfig = field(default_factory=RewardPoolConfig)
     trainer: TrainerConfig | None = None
+    sft: SFTConfig | None = None
 
 
 # --------------------------------------------------------------------------- loading
@@ -331,7 +349,10 @@ def _suggest(schema: type, key: str) -> str:
     parent, _, leaf = key.rpartition(".")
     keys = _all_keys(schema)
     siblings = [k for k in keys if k.rpartition(".")[0] == parent]
-    close = difflib.get_close_matches(key, siblings, n=3, cutoff=0.6)
+    # Leaf names only: whole dotted keys share their prefix, which makes every sibling
+    # look close ('actor.lrr' would suggest 'actor.dtype').
+    by_sibling_leaf = {k.rpartition(".")[2]: k for k in siblings}
+    close = [by_sibling_leaf[m] for m in difflib.get_close_matches(leaf, by_sibling_leaf, n=3, cutoff=0.6)]
     if not close:  # a key in the wrong section: match the leaf name anywhere
         by_leaf = {k.rpartition(".")[2]: k for k in keys}
         close = [by_leaf[m] for m in difflib.get_close_matches(leaf, by_leaf, n=3, cutoff=0.6)]

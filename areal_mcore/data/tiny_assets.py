@@ -51,3 +51,18 @@ def build_tiny_assets(cfg: TinyAssetsConfig) -> dict[str, str]:
     model.save_pretrained(out / "model")
     tok.save_pretrained(out / "model")
     return {"train": str(out / "train.jsonl"), "test": str(out / "test.jsonl"), "model": str(out / "model")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder for train.jsonl, test.jsonl and model/")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    paths = build_tiny_assets(TinyAssetsConfig(out_dir=a.out, seed=a.seed))
+    print("built " + ", ".join(f"{k}: {v}" for k, v in paths.items()))
+
+
+if __name__ == "__main__":
+    main()

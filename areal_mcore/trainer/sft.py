@@ -67,3 +67,26 @@ def train_sft(actor, pairs, *, steps: int, batch_size: int, seed: int = 1) -> li
         out = actor.train_batch(sft_batch(mine), sft_loss)
         losses.append(out["loss"][0])
     return losses
+
+
+def run_sft(cfg) -> list[float]:
+    """``areal-mcore sft``: cfg.sft.base_model -> cfg.sft.output_dir (every rank calls)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from areal_mcore.actor import MegatronActor
+    from areal_mcore.convert.hf_files import load_hf_state_dict
+    from areal_mcore.convert.save_hf import save_hf
+    from areal_mcore.data.jsonl import load_problems
+
+    if cfg.sft is None or cfg.dataset is None:
+        raise ValueError("sft needs the config sections 'sft' and 'dataset'")
+    s = cfg.sft
+    actor = MegatronActor(cfg.actor, AutoConfig.from_pretrained(s.base_model), seed=cfg.seed,
+                          total_optimizer_steps=s.steps)
+    actor.load_hf_state_dict(load_hf_state_dict(s.base_model))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or s.base_model)
+    problems, _ = load_problems(cfg.dataset)
+    losses = train_sft(actor, sft_pairs(problems, tokenizer, response_template=s.response_template),
+                       steps=s.steps, batch_size=s.batch_size, seed=cfg.seed)
+    save_hf(actor, s.output_dir, tokenizer_dir=cfg.tokenizer_path or s.base_model)
+    return losses

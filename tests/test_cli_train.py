@@ -1,0 +1,35 @@
+"""`areal-mcore train/sft`: help and config errors, before any process group starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_mcore.cli import main
+
+
+def test_train_help_names_the_config_and_overrides(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--config" in out and "a.b.c=value" in out and "torchrun" in out
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_misspelt_override_names_the_nearest_key(command, capsys):
+    assert main([command, "--config", "configs/tiny_cpu.yaml", "actor.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'actor.lrr'" in err and "'actor.optimizer.lr'" in err
+
+
+def test_a_missing_config_file_is_named(capsys):
+    assert main(["train", "--config", "configs/nope.yaml"]) == 2
+    assert "config file not found: configs/nope.yaml" in capsys.readouterr().err
+
+
+def test_the_shipped_configs_load():
+    from areal_mcore.config import load_config
+
+    cfg = load_config("configs/tiny_cpu.yaml")
+    assert cfg.server.model_path == cfg.model_path == "runs/tiny-cpu/sft_model"
+    assert cfg.ppo.reward_norm.group_size == cfg.rollout.n_samples
+    load_config("configs/boba_7b.yaml")
