@@ -203,6 +203,7 @@ class TrainerConfig:
     total_steps: int
     batch_size: int  # prompts per step (each sampled rollout.n_samples times)
     save_freq: int = 0  # steps between checkpoints; 0: never
+    eval_freq: int = 0  # steps between evaluations on eval_dataset (and before step 1); 0: never
     log_dir: str = "runs"  # the run writes under log_dir/experiment_name
     max_prompt_tokens: int = 1024  # longer prompts are dropped (and counted)
 
@@ -210,6 +211,7 @@ class TrainerConfig:
         _check_positive("total_steps", self.total_steps)
         _check_positive("batch_size", self.batch_size)
         _check_positive("save_freq", self.save_freq, allow_zero=True)
+        _check_positive("eval_freq", self.eval_freq, allow_zero=True)
         _check_positive("max_prompt_tokens", self.max_prompt_tokens)
 
 
@@ -242,6 +244,7 @@ class ExperimentConfig:
     actor: ActorConfig
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dataset: DatasetConfig | None = None
+    eval_dataset: DatasetConfig | None = None  # held-out problems for trainer.eval_freq
     rollout: RolloutConfig | None = None
     server: ServerConfig | None = None
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)

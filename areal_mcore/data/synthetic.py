@@ -1,7 +1,8 @@
 """A seeded synthetic arithmetic task, the CPU default in place of real math datasets.
 
 Rows are boba format (``prompt``, ``solutions``) so they take the same loader path as
-real data; the gold answer is ``\\boxed{...}``. Levels: 1 = two-digit addition and
+real data; the gold answer is ``\\boxed{...}``. Levels: 0 = one-digit addition (the tiny
+CPU run's task: a 4-layer model learns it in minutes), 1 = two-digit addition and
 subtraction, 2 = three-digit addition/subtraction and two-by-one-digit multiplication,
 3 = a linear equation a·x + b = c with an integer root.
 """
@@ -12,12 +13,15 @@ import json
 import random
 from pathlib import Path
 
-LEVELS = (1, 2, 3)
+LEVELS = (0, 1, 2, 3)
+DEFAULT_LEVELS = (1, 2, 3)
 SUFFIX = "Put the final answer in \\boxed{}."
 
 
 def _problem(rng: random.Random, level: int) -> tuple[str, int]:
-    if level == 1:
+    if level == 0:
+        a, b, op = rng.randint(0, 9), rng.randint(0, 9), "+"
+    elif level == 1:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         op = rng.choice("+-")
     elif level == 2:
@@ -32,7 +36,7 @@ def _problem(rng: random.Random, level: int) -> tuple[str, int]:
     return f"Compute {a} {op} {b}.", answer
 
 
-def generate(n: int, seed: int, levels: tuple[int, ...] = LEVELS) -> list[dict]:
+def generate(n: int, seed: int, levels: tuple[int, ...] = DEFAULT_LEVELS) -> list[dict]:
     """``n`` boba-format rows, the same for the same arguments."""
     bad = [lv for lv in levels if lv not in LEVELS]
     if bad or not levels:

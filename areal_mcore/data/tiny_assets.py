@@ -16,7 +16,7 @@ class TinyAssetsConfig:
     out_dir: str
     n_train: int = 2000
     n_test: int = 200
-    levels: tuple[int, ...] = (1,)
+    levels: tuple[int, ...] = (0,)
     vocab_size: int = 512
     hidden_size: int = 128
     intermediate_size: int = 256

@@ -36,6 +36,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
     """Runs ``cfg.trainer.total_steps`` PPO steps; returns the per-step stats (rank 0)."""
     run = PPORun(cfg)
     try:
+        run.evaluate(step=0)
         for step in range(cfg.trainer.total_steps):
             t0 = time.perf_counter()
             samples, rollout_stats = run.rollout()
@@ -45,6 +46,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                                                 cfg.ppo.ppo_n_minibatches, reduce_stats=reduce_ppo_stats)
             sync_stats = run.sync(version=step + 1)
             run.log(step, rollout_stats, train_stats, sync_stats, time.perf_counter() - t0)
+            run.evaluate(step=step + 1)
     finally:
         run.close()
     return run.history
@@ -68,6 +70,7 @@ class PPORun:
         self.run_dir = Path(cfg.trainer.log_dir) / cfg.experiment_name
         self.loop = asyncio.new_event_loop()
         self.history: list[dict] = []
+        self.evals: list[dict] = []
         self.actor = MegatronActor(cfg.actor, AutoConfig.from_pretrained(cfg.model_path), seed=cfg.seed,
                                    total_optimizer_steps=cfg.trainer.total_steps * cfg.ppo.ppo_n_minibatches)
         self.actor.load_hf_state_dict(load_hf_state_dict(cfg.model_path))
@@ -107,10 +110,32 @@ class PPORun:
         self.pool = RewardPool(cfg.reward)
         self.client = RolloutClient(ClientConfig(addresses=addresses, api_key=cfg.server.api_key))
         self.loop.run_until_complete(self.client.start())
-        self.controller = RolloutController(
-            cfg.rollout, self.client, self.pool.ascore,
-            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        decode = partial(self.tokenizer.decode, skip_special_tokens=True)
+        self.controller = RolloutController(cfg.rollout, self.client, self.pool.ascore, decode)
+        self.eval_prompts = []
+        if cfg.eval_dataset is not None and cfg.trainer.eval_freq:
+            self.eval_prompts, _ = build_prompts(load_problems(cfg.eval_dataset)[0], self.tokenizer,
+                                                 max_prompt_tokens=cfg.trainer.max_prompt_tokens)
+            # Its own counters and seeds: evaluating never changes what training samples.
+            self.evaluator = RolloutController(dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + 1),
+                                               self.client, self.pool.ascore, decode)
         return addresses
+
+    def evaluate(self, step: int) -> None:
+        """Accuracy on the held-out problems (rank 0; every ``trainer.eval_freq`` steps,
+        before the first and after the last)."""
+        freq, last = self.cfg.trainer.eval_freq, step == self.cfg.trainer.total_steps
+        if self.rank != 0 or not self.eval_prompts or not (step % freq == 0 or last):
+            return
+        t = time.perf_counter()
+        out = self.loop.run_until_complete(self.evaluator.rollout_batch(self.eval_prompts))
+        row = {"step": step, "eval/accuracy": out.stats["rollout/reward_mean"],
+               "eval/n_samples": out.stats["rollout/n_samples"], "eval/time_s": time.perf_counter() - t}
+        self.evals.append(row)
+        with open(self.run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"[eval] step {step}: accuracy {row['eval/accuracy']:.3f} over "
+              f"{len(self.eval_prompts)} held-out problems x {self.cfg.rollout.n_samples} samples", flush=True)
 
     def rollout(self):
         """Rank 0 samples the batch; every rank returns its data-parallel share."""
