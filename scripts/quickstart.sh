@@ -12,10 +12,11 @@ fi
 if [ ! -f "$RUN/sft_model/config.json" ]; then
   "$PY" -m areal_mcore.cli sft --config "$CONFIG" actor.optimizer.lr=3e-3
 fi
-rm -f "$RUN/stats.jsonl"
+rm -f "$RUN/stats.jsonl" "$RUN/eval.jsonl"
 "$PY" -m areal_mcore.cli train --config "$CONFIG" "$@"
 echo
 echo "assets (data, tokenizer, base model): $RUN/assets"
 echo "SFT-warmed model (HF):                $RUN/sft_model"
 echo "per-step stats (JSON lines):          $RUN/stats.jsonl"
+echo "held-out accuracy (JSON lines):       $RUN/eval.jsonl"
 echo "rollout server logs:                  $RUN/servers"
