@@ -19,6 +19,7 @@ import torch.distributed as dist
 from areal_mcore.algo import ppo_actor_loss, reduce_ppo_stats
 from areal_mcore.config import ExperimentConfig, PPOConfig
 from areal_mcore.trainer.batch import to_train_batch
+from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
 
 
 def ppo_loss(ppo: PPOConfig, logprobs_T, mb, num_global_tokens):
@@ -36,8 +37,8 @@ def train(cfg: ExperimentConfig) -> list[dict]:
     """Runs ``cfg.trainer.total_steps`` PPO steps; returns the per-step stats (rank 0)."""
     run = PPORun(cfg)
     try:
-        run.evaluate(step=0)
-        for step in range(cfg.trainer.total_steps):
+        run.evaluate(step=run.start_step)
+        for step in range(run.start_step, cfg.trainer.total_steps):
             t0 = time.perf_counter()
             samples, rollout_stats = run.rollout()
             batch = to_train_batch(samples, cfg.ppo, dp_group=run.actor.groups.dp)
@@ -47,6 +48,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             sync_stats = run.sync(version=step + 1)
             run.log(step, rollout_stats, train_stats, sync_stats, time.perf_counter() - t0)
             run.evaluate(step=step + 1)
+            run.maybe_save(step + 1)
     finally:
         run.close()
     return run.history
@@ -83,6 +85,16 @@ class PPORun:
         dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
         self.syncer = WeightSyncer(cfg.weight_sync, self.actor, box[0], api_key=cfg.server.api_key)
         self.loop.run_until_complete(self.syncer.connect())
+        self.checkpointer = Checkpointer(CheckpointConfig(root=str(self.run_dir / "checkpoints")),
+                                         group=dist.group.WORLD)
+        resumed = self.checkpointer.load(self.actor)
+        self.start_step = resumed.step if resumed else 0
+        if resumed and self.rank == 0:
+            self.sampler.load_state_dict(resumed.extra["sampler"])
+            self.controller.load_state_dict(resumed.extra["controller"])
+            print(f"[ppo] resumed from {resumed.path} at step {self.start_step}", flush=True)
+        # Servers may hold anything (another run's weights, a base model): serve the actor's.
+        self.sync(version=self.start_step)
 
     def _start_rollout(self) -> list[str]:
         from areal_mcore.data.jsonl import load_problems
@@ -158,6 +170,15 @@ class PPORun:
             versions = self.loop.run_until_complete(self.client.weight_versions())
             out["sync/server_versions"] = versions
         return out
+
+    def maybe_save(self, step: int) -> None:
+        """A checkpoint every ``trainer.save_freq`` steps and after the last one."""
+        freq = self.cfg.trainer.save_freq
+        if not freq or not (step % freq == 0 or step == self.cfg.trainer.total_steps):
+            return
+        extra = ({"sampler": self.sampler.state_dict(), "controller": self.controller.state_dict()}
+                 if self.rank == 0 else None)
+        self.checkpointer.save(self.actor, step=step, weight_version=step, extra=extra)
 
     def log(self, step: int, rollout_stats: dict, train_stats: dict, sync_stats: dict, step_s: float):
         row = {"step": step + 1, **rollout_stats, **sync_stats, "time/step_s": step_s,
