@@ -211,8 +211,13 @@ class RolloutClient:
                    servers: list[_Server] | None = None, timeout: float = 600.0) -> list:
         """The same call on every server, concurrently; every failure is reported."""
         servers = self.servers if servers is None else servers
-        out = await asyncio.gather(*[self._request(s, method, path, body, timeout=timeout)
-                                     for s in servers], return_exceptions=True)
+        return await self._each(servers, [self._request(s, method, path, body, timeout=timeout)
+                                          for s in servers])
+
+    @staticmethod
+    async def _each(servers: list[_Server], calls: list) -> list:
+        """Awaits one call per server; raises one RolloutError naming every server that failed."""
+        out = await asyncio.gather(*calls, return_exceptions=True)
         failed = [(s, e) for s, e in zip(servers, out) if isinstance(e, BaseException)]
         if failed:
             raise RolloutError("; ".join(str(e) for _, e in failed), [s.address for s, _ in failed])
@@ -253,13 +258,10 @@ class RolloutClient:
             offsets.append(off)
             off += s.tp_size
         world = self.weight_group_world_size()
-        out = await asyncio.gather(*[self._request(s, "POST", "/init_weights_update_group", {
+        await self._each(self.servers, [self._request(s, "POST", "/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": o,
             "world_size": world, "group_name": group_name, "backend": backend}, timeout=600)
-            for s, o in zip(self.servers, offsets)], return_exceptions=True)
-        failed = [(s, e) for s, e in zip(self.servers, out) if isinstance(e, BaseException)]
-        if failed:
-            raise RolloutError("; ".join(str(e) for _, e in failed), [s.address for s, _ in failed])
+            for s, o in zip(self.servers, offsets)])
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._all("POST", "/destroy_weights_update_group", {"group_name": group_name})
