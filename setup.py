@@ -15,6 +15,9 @@ INSTALL_REQUIRES = [
     "pyyaml",
     "safetensors",
     "tqdm",
+    # the trainer's per-step scalars and its reward/accuracy plot
+    "tensorboard",
+    "matplotlib",
     # the boba reward; antlr4 4.13.2 is the LaTeX parser runtime it needs
     "math-verify[antlr4_13_2]==0.9.0",
     # the embedded rollout server (HTTP both ways) and its model; the engine uses the

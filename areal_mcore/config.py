@@ -91,6 +91,7 @@ class NormConfig:
 
 
 PROX_LOGP_METHODS = ("recompute", "loglinear")
+TRAINER_MODES = ("sync", "async")
 
 
 @dataclass(kw_only=True)
@@ -206,8 +207,19 @@ class TrainerConfig:
     eval_freq: int = 0  # steps between evaluations on eval_dataset (and before step 1); 0: never
     log_dir: str = "runs"  # the run writes under log_dir/experiment_name
     max_prompt_tokens: int = 1024  # longer prompts are dropped (and counted)
+    # sync: every batch is sampled by the weights it trains; async: rollouts go on during
+    # training, at most rollout.max_head_offpolicyness versions behind (pair it with
+    # ppo.use_decoupled_loss).
+    mode: str = "sync"
+    export_freq: int = 0  # steps between HF exports to <run>/hf/step_N; the last step always
+    tensorboard: bool = True  # scalars under <run>/tensorboard
+    progress: bool = True  # tqdm bar over the steps
+    dump_to_file: bool = False  # every rollout as JSONL under <run>/rollouts/
+    trace: bool = False  # Chrome trace of the step phases: <run>/trace.json (chrome://tracing)
 
     def __post_init__(self):
+        _check_choice("mode", self.mode, TRAINER_MODES)
+        _check_positive("export_freq", self.export_freq, allow_zero=True)
         _check_positive("total_steps", self.total_steps)
         _check_positive("batch_size", self.batch_size)
         _check_positive("save_freq", self.save_freq, allow_zero=True)

@@ -12,11 +12,16 @@ fi
 if [ ! -f "$RUN/sft_model/config.json" ]; then
   "$PY" -m areal_mcore.cli sft --config "$CONFIG" actor.optimizer.lr=3e-3
 fi
-rm -f "$RUN/stats.jsonl" "$RUN/eval.jsonl"
+# A fresh PPO run each time (the SFT model and assets are reused).
+rm -rf "$RUN/stats.jsonl" "$RUN/eval.jsonl" "$RUN/tensorboard" "$RUN/hf" "$RUN/curves.png" "$RUN/trace.json" \
+  "$RUN/rollouts" "$RUN/checkpoints"
 "$PY" -m areal_mcore.cli train --config "$CONFIG" "$@"
 echo
 echo "assets (data, tokenizer, base model): $RUN/assets"
 echo "SFT-warmed model (HF):                $RUN/sft_model"
 echo "per-step stats (JSON lines):          $RUN/stats.jsonl"
 echo "held-out accuracy (JSON lines):       $RUN/eval.jsonl"
+echo "TensorBoard logs:                     $RUN/tensorboard  (tensorboard --logdir $RUN/tensorboard)"
+echo "reward/accuracy plot:                 $RUN/curves.png"
+echo "exported HF checkpoint (last step):   $(ls -d "$RUN"/hf/step_* 2>/dev/null | sort -V | tail -1)"
 echo "rollout server logs:                  $RUN/servers"

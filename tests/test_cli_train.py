@@ -32,4 +32,13 @@ def test_the_shipped_configs_load():
     cfg = load_config("configs/tiny_cpu.yaml")
     assert cfg.server.model_path == cfg.model_path == "runs/tiny-cpu/sft_model"
     assert cfg.ppo.reward_norm.group_size == cfg.rollout.n_samples
-    load_config("configs/boba_7b.yaml")
+    for name in ("boba_1.5b", "boba_7b", "boba_32b_ppo"):
+        boba = load_config(f"configs/{name}.yaml")
+        # the seed's numbers (DESIGN.md) where every PPO config must agree
+        assert (boba.trainer.batch_size, boba.rollout.n_samples, boba.rollout.max_new_tokens) == (512, 16, 27648)
+        assert boba.ppo.reward_norm.group_size == boba.rollout.n_samples
+        assert (boba.ppo.reward_bias, boba.ppo.reward_scaling, boba.actor.optimizer.lr) == (-0.5, 10.0, 2e-5)
+        assert boba.server.model_path == boba.model_path and boba.trainer.mode == "async"
+    sft = load_config("configs/boba_32b_sft.yaml")
+    assert sft.sft.base_model == sft.model_path and sft.dataset.format == "messages"
+    assert load_config("configs/boba_32b_ppo.yaml").model_path == sft.sft.output_dir

@@ -35,6 +35,17 @@ def test_pairs_end_in_eos_and_the_mask_covers_exactly_the_response():
     assert torch.isclose(loss, -(logp[mask]).sum() / 20) and stats["tokens"] == mask.sum()
 
 
+def test_a_written_assistant_turn_is_the_response_and_not_part_of_the_prompt():
+    tok, problems = _tokenizer_and_problems(1)
+    written = Problem(prompt=(("user", "1 + 2 = ?"), ("assistant", "1 plus 2 is 3. \\boxed{3}")),
+                      solutions=("3",), source="t:9")
+    (prompt, response), (plain_prompt, _) = sft_pairs([written, problems[0]], tok)
+    assert tok.decode(response[:-1]) == "1 plus 2 is 3. \\boxed{3}" and response[-1] == tok.eos_token_id
+    asked = Problem(prompt=(("user", "1 + 2 = ?"),), solutions=("3",), source="t:9")
+    assert prompt == sft_pairs([asked], tok)[0][0]  # the chat up to the assistant's turn
+    assert tok.decode(sft_pairs([problems[0]], tok)[0][0]) == tok.decode(plain_prompt)
+
+
 def _sft_worker(rank, world):
     from transformers import Qwen2Config
 

@@ -224,7 +224,7 @@ class MegatronActor:
         """One optimizer step per minibatch (contiguous slices of the sequences).
 
         Returns per-minibatch ``loss`` (the exact token mean over all DP ranks),
-        ``grad_norm``, ``n_micro_batches``, plus ``tokens``, ``time_s``, the loss
+        ``grad_norm``, ``n_micro_batches``, plus ``tokens``, ``lr``, ``time_s``, the loss
         function's per-micro-batch ``micro_stats`` (last pipeline stage only) and, with
         ``reduce_stats`` (e.g. ``algo.reduce_ppo_stats``), ``stats`` reduced over the DP
         group on the last stage (clip ratio, KL, ...).
@@ -274,5 +274,6 @@ class MegatronActor:
         if reduce_stats is not None and g.is_last_stage:
             result["stats"] = reduce_stats(result["micro_stats"], g.dp)
         result["tokens"] = int(batch.input_ids.numel())
+        result["lr"] = self.optimizer.param_groups[0]["lr"]  # after this step's scheduler updates
         result["time_s"] = time.perf_counter() - t0
         return result

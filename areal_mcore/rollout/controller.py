@@ -248,6 +248,8 @@ class RolloutController:
         n = max(1, len(samples))
         lens = [len(s.output_ids) for s in samples] or [0]
         stale = [self.version - s.start_version for s in samples] or [0]
+        rewards = [s.reward for s in samples] or [0.0]
+        mean = sum(rewards) / n
         stats = {
             "rollout/n_samples": float(len(samples)),
             "rollout/response_len_mean": sum(lens) / n,
@@ -255,7 +257,10 @@ class RolloutController:
             "rollout/prompt_len_mean": sum(len(s.prompt_ids) for s in samples) / n,
             "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in samples) / n,
             "rollout/no_eos_ratio": sum(s.finish_reason != "stop" for s in samples) / n,
-            "rollout/reward_mean": sum(s.reward for s in samples) / n,
+            "rollout/reward_mean": mean,
+            "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+            "rollout/accuracy": sum(r > 0 for r in rewards) / n,  # the boba reward is 1 when correct
+            "rollout/generated_tokens": float(sum(lens)),
             "rollout/staleness_mean": sum(stale) / n,
             "rollout/staleness_max": float(max(stale)),
             "rollout/dropped_stale": float(self.dropped_stale),

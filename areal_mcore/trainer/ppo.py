@@ -1,33 +1,40 @@
-"""The boba RL loop, synchronous mode: rollout -> rewards -> advantages -> train -> sync.
+"""The boba RL loop: rollout -> rewards -> advantages -> train -> weight sync.
 
 Every rank runs ``train(cfg)`` (torchrun or the tests' gloo spawner). Global rank 0 owns
 the rollout side (servers, client, controller, reward pool) and hands each data-parallel
 replica its share of the prompt groups; all ranks train and take part in weight sync.
+``trainer.mode=sync`` samples each batch with the weights it trains; ``async`` keeps
+sampling during training (rank 0's event loop runs on its own thread), with samples at
+most ``rollout.max_head_offpolicyness`` versions old and the decoupled loss correcting for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
+import threading
 import time
 from functools import partial
 from pathlib import Path
 
 import torch.distributed as dist
 
-from areal_mcore.algo import ppo_actor_loss, reduce_ppo_stats
+from areal_mcore.algo import loglinear_proximal_logprobs, ppo_actor_loss, reduce_ppo_stats
 from areal_mcore.config import ExperimentConfig, PPOConfig
+from areal_mcore.trainer import stats as S
 from areal_mcore.trainer.batch import to_train_batch
 from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
 
 
-def ppo_loss(ppo: PPOConfig, logprobs_T, mb, num_global_tokens):
-    """The actor's loss: clipped PPO against the recomputed proximal logprobs, with the
-    behaviour (rollout) logprobs in the decoupled form when configured."""
+def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens):
+    """The actor's loss: clipped PPO against the proximal logprobs (recomputed before
+    training, or AReaL's log-linear interpolation at ``version``), with the behaviour
+    (rollout) logprobs in the decoupled form when configured."""
     f = mb.fields
+    prox = (f["prox"] if ppo.prox_logp_method == "recompute"
+            else loglinear_proximal_logprobs(f["behave"], logprobs_T, f["versions"], version))
     return ppo_actor_loss(
-        logprobs_T, f["prox"], f["adv"], f["loss_mask"], num_global_tokens=num_global_tokens,
+        logprobs_T, prox, f["adv"], f["loss_mask"], num_global_tokens=num_global_tokens,
         eps_clip=ppo.eps_clip, eps_clip_high=ppo.eps_clip_high, c_clip=ppo.c_clip,
         behave_logprobs_T=f["behave"] if ppo.use_decoupled_loss else None,
         behav_imp_weight_cap=ppo.behav_imp_weight_cap)
@@ -36,19 +43,27 @@ def ppo_loss(ppo: PPOConfig, logprobs_T, mb, num_global_tokens):
 def train(cfg: ExperimentConfig) -> list[dict]:
     """Runs ``cfg.trainer.total_steps`` PPO steps; returns the per-step stats (rank 0)."""
     run = PPORun(cfg)
+    phase, ppo = run.phases, cfg.ppo
     try:
         run.evaluate(step=run.start_step)
         for step in range(run.start_step, cfg.trainer.total_steps):
-            t0 = time.perf_counter()
-            samples, rollout_stats = run.rollout()
-            batch = to_train_batch(samples, cfg.ppo, dp_group=run.actor.groups.dp)
-            batch.fields["prox"] = run.actor.compute_logprobs(batch)  # π_old of the ratio
-            train_stats = run.actor.train_batch(batch, partial(ppo_loss, cfg.ppo),
-                                                cfg.ppo.ppo_n_minibatches, reduce_stats=reduce_ppo_stats)
-            sync_stats = run.sync(version=step + 1)
-            run.log(step, rollout_stats, train_stats, sync_stats, time.perf_counter() - t0)
-            run.evaluate(step=step + 1)
-            run.maybe_save(step + 1)
+            with phase("rollout"):
+                samples, rollout_stats = run.rollout(step)
+            with phase("advantages"):
+                batch = to_train_batch(samples, ppo, dp_group=run.actor.groups.dp)
+            if ppo.prox_logp_method == "recompute":
+                with phase("recompute"):
+                    batch.fields["prox"] = run.actor.compute_logprobs(batch)  # π_prox before the update
+            with phase("train"):
+                train_stats = run.actor.train_batch(batch, partial(ppo_loss, ppo, step),
+                                                    ppo.ppo_n_minibatches, reduce_stats=reduce_ppo_stats)
+            with phase("sync"):
+                sync_stats = run.sync(version=step + 1)
+            with phase("eval"):
+                run.evaluate(step=step + 1)
+            run.log(step + 1, batch, rollout_stats, train_stats, sync_stats)
+            with phase("save"):  # reported with the next step
+                run.maybe_save(step + 1)
     finally:
         run.close()
     return run.history
@@ -58,33 +73,46 @@ class PPORun:
     """The loop's collaborators, built from the config; one per rank."""
 
     def __init__(self, cfg: ExperimentConfig):
+        for section in ("model_path", "dataset", "rollout", "server", "trainer"):
+            if getattr(cfg, section) is None:
+                raise ValueError(f"training needs the config section/key {section!r}")
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.servers, self.pool, self.client, self.controller, self.syncer = [], None, None, None, None
+        self.logger, self.phases, self.hf_dir = None, None, None
+        self.run_dir = Path(cfg.trainer.log_dir) / cfg.experiment_name
+        # The loop lives on its own thread so that async rollouts go on while this thread
+        # trains; sync mode simply waits on it.
+        self.loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="ppo-asyncio", daemon=True)
+        self._loop_thread.start()
+        self.history: list[dict] = []
+        self.evals: list[dict] = []
+        try:
+            self._setup()
+        except BaseException:
+            self.close(barrier=False)  # no server outlives a failed start
+            raise
+
+    def _setup(self) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
         from areal_mcore.actor import MegatronActor
         from areal_mcore.convert.hf_files import load_hf_state_dict
         from areal_mcore.weight_sync.syncer import WeightSyncer
 
-        for section in ("model_path", "dataset", "rollout", "server", "trainer"):
-            if getattr(cfg, section) is None:
-                raise ValueError(f"training needs the config section/key {section!r}")
-        self.cfg = cfg
-        self.rank = dist.get_rank()
-        self.run_dir = Path(cfg.trainer.log_dir) / cfg.experiment_name
-        self.loop = asyncio.new_event_loop()
-        self.history: list[dict] = []
-        self.evals: list[dict] = []
+        cfg = self.cfg
         self.actor = MegatronActor(cfg.actor, AutoConfig.from_pretrained(cfg.model_path), seed=cfg.seed,
                                    total_optimizer_steps=cfg.trainer.total_steps * cfg.ppo.ppo_n_minibatches)
         self.actor.load_hf_state_dict(load_hf_state_dict(cfg.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)
-        self.servers, self.pool, self.client, self.controller = [], None, None, None
         box = [None]
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             box[0] = self._start_rollout()
         dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
         self.syncer = WeightSyncer(cfg.weight_sync, self.actor, box[0], api_key=cfg.server.api_key)
-        self.loop.run_until_complete(self.syncer.connect())
+        self._run(self.syncer.connect())
         self.checkpointer = Checkpointer(CheckpointConfig(root=str(self.run_dir / "checkpoints")),
                                          group=dist.group.WORLD)
         resumed = self.checkpointer.load(self.actor)
@@ -93,9 +121,30 @@ class PPORun:
             self.sampler.load_state_dict(resumed.extra["sampler"])
             self.controller.load_state_dict(resumed.extra["controller"])
             print(f"[ppo] resumed from {resumed.path} at step {self.start_step}", flush=True)
+        t = cfg.trainer
+        self.logger = S.RunLogger(t, self.run_dir, enabled=self.rank == 0, start_step=self.start_step)
+        self.phases = S.Phases(self.run_dir / "trace.json" if t.trace and self.rank == 0 else None)
         # Servers may hold anything (another run's weights, a base model): serve the actor's.
         self.sync(version=self.start_step)
+        if t.mode == "async" and self.rank == 0:
+            self._on_loop(self.controller.start, self._prompt_stream(), t.batch_size)
+        self._last_row_t = time.perf_counter()
 
+    # ---- the asyncio thread --------------------------------------------------------------
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def _on_loop(self, fn, *args):
+        """Calls ``fn`` on the loop's thread: the controller is not thread-safe."""
+        async def call():
+            return fn(*args)
+        return self._run(call())
+
+    def _prompt_stream(self):
+        while True:
+            yield from (self.prompts[i] for i in self.sampler.next_batch())
+
+    # ---- setup -------------------------------------------------------------------------
     def _start_rollout(self) -> list[str]:
         from areal_mcore.data.jsonl import load_problems
         from areal_mcore.data.prompts import build_prompts
@@ -121,40 +170,30 @@ class PPORun:
             addresses = [s.address for s in self.servers]
         self.pool = RewardPool(cfg.reward)
         self.client = RolloutClient(ClientConfig(addresses=addresses, api_key=cfg.server.api_key))
-        self.loop.run_until_complete(self.client.start())
-        decode = partial(self.tokenizer.decode, skip_special_tokens=True)
-        self.controller = RolloutController(cfg.rollout, self.client, self.pool.ascore, decode)
+        self._run(self.client.start())
+        self.decode = partial(self.tokenizer.decode, skip_special_tokens=True)
+        self.controller = RolloutController(cfg.rollout, self.client, self.pool.ascore, self.decode)
         self.eval_prompts = []
         if cfg.eval_dataset is not None and cfg.trainer.eval_freq:
             self.eval_prompts, _ = build_prompts(load_problems(cfg.eval_dataset)[0], self.tokenizer,
                                                  max_prompt_tokens=cfg.trainer.max_prompt_tokens)
             # Its own counters and seeds: evaluating never changes what training samples.
             self.evaluator = RolloutController(dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + 1),
-                                               self.client, self.pool.ascore, decode)
+                                               self.client, self.pool.ascore, self.decode)
         return addresses
 
-    def evaluate(self, step: int) -> None:
-        """Accuracy on the held-out problems (rank 0; every ``trainer.eval_freq`` steps,
-        before the first and after the last)."""
-        freq, last = self.cfg.trainer.eval_freq, step == self.cfg.trainer.total_steps
-        if self.rank != 0 or not self.eval_prompts or not (step % freq == 0 or last):
-            return
-        t = time.perf_counter()
-        out = self.loop.run_until_complete(self.evaluator.rollout_batch(self.eval_prompts))
-        row = {"step": step, "eval/accuracy": out.stats["rollout/reward_mean"],
-               "eval/n_samples": out.stats["rollout/n_samples"], "eval/time_s": time.perf_counter() - t}
-        self.evals.append(row)
-        with open(self.run_dir / "eval.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(f"[eval] step {step}: accuracy {row['eval/accuracy']:.3f} over "
-              f"{len(self.eval_prompts)} held-out problems x {self.cfg.rollout.n_samples} samples", flush=True)
-
-    def rollout(self):
-        """Rank 0 samples the batch; every rank returns its data-parallel share."""
+    # ---- the step's parts --------------------------------------------------------------
+    def rollout(self, step: int):
+        """Rank 0 samples (sync) or collects (async) the batch; every rank returns its
+        data-parallel share."""
         box = [None, None]
         if self.rank == 0:
-            batch = [self.prompts[i] for i in self.sampler.next_batch()]
-            out = self.loop.run_until_complete(self.controller.rollout_batch(batch))
+            if self.cfg.trainer.mode == "async":
+                out = self._run(self.controller.prepare_batch(self.cfg.trainer.batch_size))
+            else:
+                batch = [self.prompts[i] for i in self.sampler.next_batch()]
+                out = self._run(self.controller.rollout_batch(batch))
+            self.logger.dump_rollouts(step + 1, out.samples, self.decode)
             box = [out.samples, out.stats]
         dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
         samples, stats = box
@@ -163,45 +202,96 @@ class PPORun:
         return [s for grp in groups[g.dp_rank::g.dp_size] for s in grp], stats
 
     def sync(self, version: int) -> dict:
-        stats = self.loop.run_until_complete(self.syncer.push(version))
+        stats = self._run(self.syncer.push(version))
         out = {"sync/time_s": stats.total_s, "sync/bytes": float(stats.bytes)}
         if self.rank == 0:
-            self.controller.set_version(version)
-            versions = self.loop.run_until_complete(self.client.weight_versions())
-            out["sync/server_versions"] = versions
+            self._on_loop(self.controller.set_version, version)
+            out["sync/server_versions"] = self._run(self.client.weight_versions())
         return out
 
-    def maybe_save(self, step: int) -> None:
-        """A checkpoint every ``trainer.save_freq`` steps and after the last one."""
-        freq = self.cfg.trainer.save_freq
-        if not freq or not (step % freq == 0 or step == self.cfg.trainer.total_steps):
+    def evaluate(self, step: int) -> None:
+        """Accuracy on the held-out problems (rank 0; every ``trainer.eval_freq`` steps,
+        before the first and after the last)."""
+        freq, last = self.cfg.trainer.eval_freq, step == self.cfg.trainer.total_steps
+        if self.rank != 0 or not self.eval_prompts or not (step % freq == 0 or last):
             return
-        extra = ({"sampler": self.sampler.state_dict(), "controller": self.controller.state_dict()}
-                 if self.rank == 0 else None)
-        self.checkpointer.save(self.actor, step=step, weight_version=step, extra=extra)
+        t = time.perf_counter()
+        out = self._run(self.evaluator.rollout_batch(self.eval_prompts))
+        row = {"step": step, "eval/accuracy": out.stats["rollout/accuracy"],
+               "eval/n_samples": out.stats["rollout/n_samples"], "eval/time_s": time.perf_counter() - t}
+        self.evals.append(row)
+        self.logger.eval(row)
+        self.logger.print(f"[eval] step {step}: accuracy {row['eval/accuracy']:.3f} over "
+                           f"{len(self.eval_prompts)} held-out problems x {self.cfg.rollout.n_samples} samples")
 
-    def log(self, step: int, rollout_stats: dict, train_stats: dict, sync_stats: dict, step_s: float):
-        row = {"step": step + 1, **rollout_stats, **sync_stats, "time/step_s": step_s,
+    def maybe_save(self, step: int) -> None:
+        """A checkpoint every ``trainer.save_freq`` steps, an HF export every
+        ``trainer.export_freq``; both after the last step."""
+        t, last = self.cfg.trainer, step == self.cfg.trainer.total_steps
+        if t.save_freq and (step % t.save_freq == 0 or last):
+            extra = None
+            if self.rank == 0:
+                extra = {"sampler": self._on_loop(self.sampler.state_dict),
+                         "controller": self._on_loop(self.controller.state_dict)}
+            self.checkpointer.save(self.actor, step=step, weight_version=step, extra=extra)
+        if last or (t.export_freq and step % t.export_freq == 0):
+            from areal_mcore.convert.save_hf import save_hf
+
+            self.hf_dir = self.run_dir / "hf" / f"step_{step}"
+            save_hf(self.actor, self.hf_dir, tokenizer_dir=self.cfg.tokenizer_path or self.cfg.model_path)
+
+    def log(self, step: int, batch, rollout_stats: dict, train_stats: dict, sync_stats: dict) -> None:
+        g = self.actor.groups
+        reduced = train_stats.get("stats")
+        if g.pp_size > 1:  # the loss's stats exist on the last stage only
+            box = [reduced]
+            dist.broadcast_object_list(box, src=g.pp_last_rank, group=g.pp)
+            reduced = box[0]
+        now = time.perf_counter()
+        step_s, self._last_row_t = now - self._last_row_t, now
+        times = self.phases.take()
+        n = rollout_stats["rollout/n_samples"]
+        train_tokens = n * (rollout_stats["rollout/prompt_len_mean"] + rollout_stats["rollout/response_len_mean"])
+        # Async generation overlaps the whole step; sync generation is the rollout phase.
+        gen_s = step_s if self.cfg.trainer.mode == "async" else times["time/rollout_s"]
+        row = {"step": step, **rollout_stats, **sync_stats, **times, "time/step_s": step_s,
                "train/loss": train_stats["loss"], "train/grad_norm": train_stats["grad_norm"],
-               "train/time_s": train_stats["time_s"],
-               **{f"train/{k}": float(v) for k, v in train_stats.get("stats", {}).items()}}
+               "train/lr": train_stats["lr"],
+               **{f"train/{k}": float(v) for k, v in (reduced or {}).items()},
+               "perf/rollout_tokens_per_s": rollout_stats["rollout/generated_tokens"] / max(gen_s, 1e-9),
+               "perf/train_tokens_per_s": train_tokens / max(times["time/train_s"], 1e-9),
+               **S.gpu_stats()}
+        seqlens = batch.seqlens_padded  # this rank's share; every DP replica trains as much
+        busy = times["time/train_s"] + times.get("time/recompute_s", 0.0)
+        passes = 3 + (1 if self.cfg.actor.recompute else 0) + ("time/recompute_s" in times)
+        util = S.mfu(S.train_flops(self.actor.args, seqlens, forward_passes=passes) * g.dp_size, busy,
+                     dist.get_world_size())
+        if util is not None:
+            row["perf/mfu"] = util
         self.history.append(row)
-        if self.rank == 0:
-            with open(self.run_dir / "stats.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(f"[ppo] step {step + 1}/{self.cfg.trainer.total_steps} "
-                  f"reward {rollout_stats['rollout/reward_mean']:.3f} "
-                  f"len {rollout_stats['rollout/response_len_mean']:.1f} "
-                  f"loss {sum(train_stats['loss']) / len(train_stats['loss']):+.4f} "
-                  f"sync {sync_stats['sync/time_s']:.2f}s step {step_s:.1f}s", flush=True)
+        self.logger.step(row)
 
-    def close(self) -> None:
-        self.loop.run_until_complete(self.syncer.close())
+    def close(self, barrier: bool = True) -> None:
+        if self.controller is not None:
+            self._run(self.controller.stop())
+        if self.syncer is not None:
+            self._run(self.syncer.close())
         if self.client is not None:
-            self.loop.run_until_complete(self.client.close())
+            self._run(self.client.close())
         if self.pool is not None:
             self.pool.close()
         for s in self.servers:
             s.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._loop_thread.join()
         self.loop.close()
+        if self.phases is not None:
+            self.phases.close()
+        plot = self.logger.close() if self.logger is not None else None
+        if not barrier:
+            return
         dist.barrier(group=dist.group.WORLD)
+        if plot is not None:
+            print(f"[ppo] stats: {self.run_dir / 'stats.jsonl'}\n"
+                  f"[ppo] tensorboard: tensorboard --logdir {self.run_dir / 'tensorboard'}\n"
+                  f"[ppo] curves: {plot}\n[ppo] HF model: {self.hf_dir or 'not exported'}", flush=True)

@@ -7,6 +7,7 @@ Legend: T packed tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -18,18 +19,25 @@ def sft_pairs(problems, tokenizer, *, response_template: str = "The answer is {s
               suffix: str | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids through the chat template, response ids ending in the end-of-turn token).
 
-    ``response_template`` gets each problem's first gold solution as ``{solution}``.
+    A ``messages`` problem whose last turn is the assistant's (an SFT set with written
+    solutions, e.g. boba's SFT-200) trains on that turn; any other problem on
+    ``response_template`` filled with its first gold solution as ``{solution}``.
     """
     from areal_mcore.data.prompts import build_prompts
 
-    prompts, dropped = build_prompts(problems, tokenizer, max_prompt_tokens=1 << 30, suffix=suffix)
+    questions, responses = [], []
+    for p in problems:
+        if not isinstance(p.prompt, str) and p.prompt[-1][0] == "assistant":
+            questions.append(dataclasses.replace(p, prompt=p.prompt[:-1]))
+            responses.append(p.prompt[-1][1])
+        else:
+            questions.append(p)
+            responses.append(response_template.format(solution=p.solutions[0]))
+    prompts, dropped = build_prompts(questions, tokenizer, max_prompt_tokens=1 << 30, suffix=suffix)
     assert not dropped  # no length limit was asked for
     eos = tokenizer.eos_token_id
-    pairs = []
-    for p in prompts:
-        text = response_template.format(solution=p.solutions[0])
-        pairs.append((p.input_ids, tokenizer.encode(text, add_special_tokens=False) + [eos]))
-    return pairs
+    return [(p.input_ids, tokenizer.encode(text, add_special_tokens=False) + [eos])
+            for p, text in zip(prompts, responses)]
 
 
 def sft_batch(pairs: list[tuple[list[int], list[int]]], *, pad_to_multiple_of: int = 1) -> PackedBatch:
