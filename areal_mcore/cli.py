@@ -160,16 +160,117 @@ def run_train(a) -> int:
     return 0
 
 
+def _csv(kind):
+    """argparse type for comma-separated values: 'a.jsonl,b.jsonl', '1,8,32'."""
+    def parse(text: str):
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        try:
+            return [kind(t) for t in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
+    return parse
+
+
+def add_eval_parsers(sub) -> None:
+    from areal_mcore.data.jsonl import FORMATS
+    from areal_mcore.data.prompts import BOBA_SUFFIX
+    from areal_mcore.eval.config import MODEL_KINDS, THINK_MODES
+
+    p = sub.add_parser(
+        "eval", help="pass@k over n samples per problem, with boba's eval settings",
+        description="Sample --n-samples responses per problem from rollout servers (launched here "
+                    "with boba's long-context settings, or running at --server-url), score them with "
+                    "the boba reward and report pass@1 (averaged over samples) and unbiased pass@k "
+                    "per dataset, as a table and as JSON (--out).",
+        epilog="example: areal-mcore eval --config configs/tiny_cpu.yaml --model runs/tiny-cpu/hf/step_250 "
+               "--data runs/tiny-cpu/assets/test.jsonl --model-kind rl --n-samples 8 --out eval.json")
+    p.add_argument("--config", help="YAML under configs/ whose model_path, tokenizer_path, server, reward, "
+                                    "seed, rollout.max_new_tokens and eval_dataset are the defaults")
+    p.add_argument("overrides", nargs="*", help="a.b.c=value overrides of --config, e.g. server.tp_size=4")
+    p.add_argument("--model", help="HF folder to evaluate (default: the config's model_path)")
+    p.add_argument("--tokenizer", help="tokenizer folder (default: the config's tokenizer_path, else --model)")
+    p.add_argument("--data", type=_csv(str), help="comma-separated JSONL files, one report row each "
+                                                  "(default: the config's eval_dataset)")
+    p.add_argument("--data-format", choices=FORMATS, default="boba",
+                   help="row format of --data; mc = multiple choice {question, choices, answer}")
+    p.add_argument("--model-kind", required=True, choices=MODEL_KINDS,
+                   help="sets the sampling: rl 1.0/1.0, sft and base 0.6/0.95 (temperature/top_p)")
+    p.add_argument("--n-samples", type=int, default=32, help="samples per problem (default 32)")
+    p.add_argument("--temperature", type=float, help="override the model kind's temperature")
+    p.add_argument("--top-p", type=float, help="override the model kind's top_p")
+    p.add_argument("--k", type=_csv(int), dest="ks",
+                   help="pass@k to report, e.g. 1,8,32 (default: powers of two up to n, and n)")
+    p.add_argument("--max-new-tokens", type=int, help="response budget (default: the config's "
+                                                      "rollout.max_new_tokens, else 27648)")
+    p.add_argument("--shuffle-choices", action="store_true",
+                   help="permute multiple-choice options per problem (seeded); GPQA's gold is always A")
+    p.add_argument("--prompt-suffix", default=BOBA_SUFFIX, help="appended to each question; '' for none "
+                                                                "(default: boba's)")
+    p.add_argument("--think", choices=THINK_MODES, default="auto",
+                   help="start responses with '<think>\\n': auto = where the chat template has thinking")
+    p.add_argument("--max-prompt-tokens", type=int, help="drop (and count) longer prompts (default: keep all)")
+    p.add_argument("--seed", type=int, help="sampling and shuffling seed (default: the config's, else 1)")
+    p.add_argument("--server-url", type=_csv(str), help="comma-separated host:port of running servers "
+                                                        "(nothing is launched)")
+    p.add_argument("--out", help="write the JSON report here")
+
+
+def run_eval(a) -> int:
+    import dataclasses
+
+    from areal_mcore.data.jsonl import DatasetConfig
+    from areal_mcore.eval import EvalConfig, evaluate, format_table
+    from areal_mcore.eval.config import DEFAULT_MAX_NEW_TOKENS
+    from areal_mcore.reward.pool import RewardPoolConfig
+    from areal_mcore.rollout.launcher import ServerConfig
+
+    if a.overrides and not a.config:
+        raise ValueError(f"overrides {a.overrides} change a config file's values: give --config too")
+    exp = None
+    if a.config:
+        from areal_mcore.config import load_config
+
+        exp = load_config(a.config, a.overrides)
+    model = a.model or (exp.model_path if exp else None)
+    if not model:
+        raise ValueError("no model to evaluate: give --model HF_FOLDER (or --config with model_path)")
+    if a.data:
+        datasets = [DatasetConfig(path=path, format=a.data_format) for path in a.data]
+    elif exp and exp.eval_dataset:
+        datasets = [exp.eval_dataset]
+    else:
+        raise ValueError("no dataset to evaluate: give --data a.jsonl[,b.jsonl] (or --config with eval_dataset)")
+    server = exp.server if exp and exp.server else ServerConfig(model_path=model)
+    server = dataclasses.replace(server, model_path=model,
+                                 addresses=[u.removeprefix("http://") for u in a.server_url or []]
+                                 or server.addresses)
+    cfg = EvalConfig(
+        datasets=datasets, server=server, model_kind=a.model_kind, n_samples=a.n_samples,
+        max_new_tokens=a.max_new_tokens or (exp.rollout.max_new_tokens if exp and exp.rollout
+                                            else DEFAULT_MAX_NEW_TOKENS),
+        tokenizer_path=a.tokenizer or (exp.tokenizer_path if exp else None),
+        temperature=a.temperature, top_p=a.top_p, ks=a.ks, shuffle_choices=a.shuffle_choices,
+        prompt_suffix=a.prompt_suffix, force_think=a.think, max_prompt_tokens=a.max_prompt_tokens,
+        seed=a.seed if a.seed is not None else (exp.seed if exp else 1),
+        reward=exp.reward if exp else RewardPoolConfig(), out=a.out)
+    report = evaluate(cfg)
+    print(format_table(report))
+    if a.out:
+        print(f"report written to {a.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="areal-mcore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_convert_parsers(sub)
     add_filter_parsers(sub)
     add_train_parsers(sub)
+    add_eval_parsers(sub)
     a = parser.parse_args(argv)
     try:
         return {"convert": run_convert, "filter": run_filter, "train": run_train,
-                "sft": run_train}[a.command](a)
+                "sft": run_train, "eval": run_eval}[a.command](a)
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"areal-mcore {a.command}: error: {e}", file=sys.stderr)
         return 2

@@ -81,17 +81,25 @@ def test_killed_run_resumes_with_the_same_rewards_and_losses(tmp_path):
         killed_at = len(_rows(stats))
         assert killed_at < STEPS
 
-        run_gloo(_ppo_worker, 2, overrides)  # resumes from the latest complete checkpoint
+        resumed = run_gloo(_ppo_worker, 2, overrides)  # from the latest complete checkpoint
     rows = _rows(stats)
-    by_step = {}
-    for r in rows:  # a step logged before the kill but not checkpointed runs again
-        by_step[r["step"]] = r
-    assert sorted(by_step) == list(range(1, STEPS + 1))
+    # A step logged before the kill but not checkpointed runs again, and its first row is
+    # dropped on resume: one row per step.
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    by_step = {r["step"]: r for r in rows}
     for ref in reference:
         got = by_step[ref["step"]]
         assert got["rollout/reward_mean"] == ref["rollout/reward_mean"], ref["step"]
         assert got["train/loss"] == ref["train/loss"], ref["step"]
         assert got["train/grad_norm"] == ref["train/grad_norm"], ref["step"]
         assert got["rollout/response_len_mean"] == ref["rollout/response_len_mean"]
-    first_after = rows[killed_at]["step"]
+    first_after = resumed[0][0]["step"]
     assert 1 < first_after <= killed_at + 1  # resumed from a checkpoint, not from scratch
+    # TensorBoard agrees: the killed run's events past the checkpoint were purged.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(stats.parent / "tensorboard"))
+    acc.Reload()
+    events = acc.Scalars("rollout/reward_mean")
+    assert [e.step for e in events] == list(range(1, STEPS + 1))
+    assert [e.value for e in events] == pytest.approx([r["rollout/reward_mean"] for r in reference])

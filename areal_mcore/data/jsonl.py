@@ -4,10 +4,13 @@ Formats (``DatasetConfig.format``):
 - ``boba``: ``{"prompt": str, "solutions": [str, ...]}`` (AReaL boba's release format);
 - ``qa``: ``{"question": str, "answer": str}`` (one solution);
 - ``messages``: ``{"messages": [{"role", "content"}, ...], "solutions": [...]}``, the
-  prompt being the chat so far.
-The key names are configurable. A bad row (invalid JSON, not UTF-8, missing or empty
-field) raises ``DatasetError`` naming the file and line, or with ``skip_bad_rows`` is
-skipped and counted in the returned report.
+  prompt being the chat so far;
+- ``mc`` (multiple choice, e.g. GPQA): ``{"question": str, "choices": [str, ...],
+  "answer": "B" or 1}``; the gold solution is the option's letter, and prompts list the
+  options as ``A) ...`` (``data.prompts.render_choices``).
+The key names are configurable (defaults per format in ``FORMAT_KEYS``). A bad row
+(invalid JSON, not UTF-8, missing or empty field) raises ``DatasetError`` naming the file
+and line, or with ``skip_bad_rows`` is skipped and counted in the returned report.
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FORMATS = ("boba", "qa", "messages")
+FORMATS = ("boba", "qa", "messages", "mc")
+# (prompt_key, solutions_key) when the config leaves them unset.
+FORMAT_KEYS = {"boba": ("prompt", "solutions"), "qa": ("question", "answer"),
+               "messages": ("messages", "solutions"), "mc": ("question", "answer")}
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # multiple-choice option labels
 
 
 class DatasetError(ValueError):
@@ -27,13 +34,17 @@ class DatasetError(ValueError):
 class DatasetConfig:
     path: str
     format: str = "boba"
-    prompt_key: str = "prompt"  # "question" for qa, "messages" for messages
-    solutions_key: str = "solutions"  # "answer" for qa (a single string)
+    prompt_key: str | None = None  # None: FORMAT_KEYS[format]
+    solutions_key: str | None = None  # a single string for qa, a letter or index for mc
+    choices_key: str = "choices"  # mc only
     skip_bad_rows: bool = False
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"format={self.format!r} is not allowed; choose one of {list(FORMATS)}")
+        prompt_key, solutions_key = FORMAT_KEYS[self.format]
+        self.prompt_key = self.prompt_key or prompt_key
+        self.solutions_key = self.solutions_key or solutions_key
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,7 @@ class Problem:
     prompt: str | tuple[tuple[str, str], ...]  # text, or (role, content) messages
     solutions: tuple[str, ...]
     source: str  # file:line
+    choices: tuple[str, ...] = ()  # mc: the options; solutions hold the gold letter
 
 
 @dataclass
@@ -83,7 +95,11 @@ def _parse(raw: bytes, cfg: DatasetConfig, where: str) -> Problem:
         raise DatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     prompt = _field(row, cfg.prompt_key, where)
     solutions = _field(row, cfg.solutions_key, where)
-    if cfg.format == "qa":
+    choices = ()
+    if cfg.format == "mc":
+        choices = _choices(_field(row, cfg.choices_key, where), cfg.choices_key, where)
+        solutions = [_gold_letter(solutions, len(choices), cfg.solutions_key, where)]
+    elif cfg.format == "qa":
         solutions = [solutions]
     if not isinstance(solutions, list) or not solutions or not all(
             isinstance(s, str) and s.strip() for s in solutions):
@@ -96,7 +112,25 @@ def _parse(raw: bytes, cfg: DatasetConfig, where: str) -> Problem:
         prompt = tuple((m["role"], m["content"]) for m in prompt)
     elif not isinstance(prompt, str) or not prompt.strip():
         raise DatasetError(f"{where}: {cfg.prompt_key!r} must be a non-empty string")
-    return Problem(prompt=prompt, solutions=tuple(solutions), source=where)
+    return Problem(prompt=prompt, solutions=tuple(solutions), source=where, choices=choices)
+
+
+def _choices(value, key: str, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not 2 <= len(value) <= len(LETTERS) or not all(
+            isinstance(c, str) and c.strip() for c in value):
+        raise DatasetError(f"{where}: {key!r} must be a list of 2 to {len(LETTERS)} non-empty strings")
+    return tuple(value)
+
+
+def _gold_letter(answer, n_choices: int, key: str, where: str) -> str:
+    """The gold option as a letter, from a letter ('B') or a 0-based index (1)."""
+    letters = LETTERS[:n_choices]
+    if isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < n_choices:
+        return letters[answer]
+    if isinstance(answer, str) and answer.strip() and answer.strip().upper() in letters:
+        return answer.strip().upper()
+    raise DatasetError(f"{where}: {key!r} must be one of the letters {list(letters)} or a 0-based "
+                       f"index below {n_choices}, got {answer!r}")
 
 
 def _field(row: dict, key: str, where: str):

@@ -1,0 +1,161 @@
+"""``evaluate(cfg)``: n samples per problem from rollout servers, scored by the boba reward,
+reported as pass@1 (averaged over samples) and unbiased pass@k per dataset.
+
+Every dataset gets its own rollout controller seeded by ``cfg.seed``, so a dataset's
+samples depend on the seed and its problems only, not on which other datasets ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+from areal_mcore.data.jsonl import DatasetConfig, load_problems
+from areal_mcore.data.prompts import Prompt, build_prompts
+from areal_mcore.eval.choices import shuffle_choices
+from areal_mcore.eval.config import (
+    EVAL_SGLANG_ARGS,
+    EvalConfig,
+    check_full_attention,
+    eval_server_config,
+)
+from areal_mcore.eval.passk import default_ks, pass_at_ks
+
+THINK = "<think>\n"
+
+
+def think_prefix(tokenizer, mode: str) -> str | None:
+    """``"<think>\\n"`` when responses must start with it, else None.
+
+    auto: when the chat template mentions ``<think>`` (a reasoning model); always: for any
+    template. Never when the generation prompt already ends with ``<think>`` (newer R1
+    templates open the block themselves), which would open it twice.
+    """
+    if mode == "never":
+        return None
+    template = tokenizer.chat_template
+    template = " ".join(template.values()) if isinstance(template, dict) else str(template or "")
+    generation = tokenizer.apply_chat_template([{"role": "user", "content": "1+1?"}],
+                                               add_generation_prompt=True, tokenize=False)
+    if generation.rstrip().endswith("<think>"):
+        return None
+    return THINK if mode == "always" or "<think>" in template else None
+
+
+def _prompts(d: DatasetConfig, cfg: EvalConfig, tokenizer, prefix: str | None) -> tuple[list[Prompt], int]:
+    problems, _ = load_problems(d)
+    if cfg.shuffle_choices:
+        problems = shuffle_choices(problems, seed=cfg.seed)
+    prompts, dropped = build_prompts(problems, tokenizer, suffix=cfg.prompt_suffix or None, force_prefix=prefix,
+                                     max_prompt_tokens=cfg.max_prompt_tokens or 1 << 62)
+    if not prompts:
+        raise ValueError(f"{d.path}: no problem left to evaluate ({dropped} longer than "
+                         f"max_prompt_tokens={cfg.max_prompt_tokens})")
+    budget = max(len(p.input_ids) for p in prompts) + cfg.max_new_tokens
+    if not cfg.server.addresses and budget > cfg.server.context_length:
+        raise ValueError(f"{d.path}: the longest prompt plus max_new_tokens={cfg.max_new_tokens} is {budget} "
+                         f"tokens, over the servers' context_length={cfg.server.context_length}: lower "
+                         f"max_new_tokens or raise server.context_length")
+    return prompts, dropped
+
+
+def evaluate(cfg: EvalConfig) -> dict:
+    """Samples, scores and reports every dataset; writes the report to ``cfg.out`` if set.
+
+    Returns:
+        ``{"model", settings..., "datasets": [{"dataset", "problems", "pass@1", "pass@k"...}]}``.
+    """
+    from transformers import AutoTokenizer
+
+    from areal_mcore.reward.pool import RewardPool
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.server.model_path)
+    prefix = think_prefix(tokenizer, cfg.force_think)
+    # Data errors surface before any server starts.
+    data = [(d, *_prompts(d, cfg, tokenizer, prefix)) for d in cfg.datasets]
+    servers = []
+    try:
+        servers, addresses, server_info = _servers(cfg)
+        with RewardPool(cfg.reward) as pool:
+            decode = partial(tokenizer.decode, skip_special_tokens=True)
+            rows = asyncio.run(_sample(cfg, addresses, pool.ascore, decode, data))
+    finally:
+        for s in servers:
+            s.stop()
+    if len({r["dataset"] for r in rows}) < len(rows):  # same file name in two folders
+        for r in rows:
+            r["dataset"] = r["path"]
+    temperature, top_p = cfg.sampling()
+    report = {"model": cfg.server.model_path, "model_kind": cfg.model_kind, "n_samples": cfg.n_samples,
+              "temperature": temperature, "top_p": top_p, "max_new_tokens": cfg.max_new_tokens,
+              "seed": cfg.seed, "shuffle_choices": cfg.shuffle_choices, "prompt_suffix": cfg.prompt_suffix,
+              "response_prefix": prefix or "", "servers": server_info, "datasets": rows}
+    if cfg.out:
+        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _servers(cfg: EvalConfig) -> tuple[list, list[str], dict]:
+    """(servers launched here, addresses, what the report says about them)."""
+    from areal_mcore.rollout.launcher import launch_servers
+
+    if cfg.server.addresses:
+        check_full_attention(cfg.server.model_path)
+        print(f"[eval] using running servers {cfg.server.addresses}; boba's eval settings for SGLang "
+              f"are {' '.join(EVAL_SGLANG_ARGS)} (set when they were started)", flush=True)
+        return [], list(cfg.server.addresses), {"addresses": list(cfg.server.addresses)}
+    server = eval_server_config(cfg.server)
+    if cfg.out and server.log_dir == "logs/rollout":  # the default: keep the logs with the report
+        server = dataclasses.replace(server, log_dir=str(Path(cfg.out).with_suffix("")) + "_servers")
+    settings = (" ".join(EVAL_SGLANG_ARGS) if server.backend == "sglang" else
+                "none needed (the embedded server is eager PyTorch with whole-prompt prefill and full attention)")
+    print(f"[eval] starting {server.n_servers} {server.backend} server(s); eval settings: {settings}", flush=True)
+    servers = launch_servers(server)
+    return servers, [s.address for s in servers], {"backend": server.backend, "extra_args": server.extra_args}
+
+
+async def _sample(cfg: EvalConfig, addresses: list[str], reward_fn, decode, data) -> list[dict]:
+    from areal_mcore.rollout.client import ClientConfig, RolloutClient
+    from areal_mcore.rollout.controller import RolloutConfig, RolloutController
+
+    temperature, top_p = cfg.sampling()
+    rollout = RolloutConfig(max_new_tokens=cfg.max_new_tokens, n_samples=cfg.n_samples, temperature=temperature,
+                            top_p=top_p, seed=cfg.seed, max_concurrent_rollouts=cfg.max_concurrent_rollouts)
+    ks = cfg.ks or default_ks(cfg.n_samples)
+    rows = []
+    async with RolloutClient(ClientConfig(addresses=addresses, api_key=cfg.server.api_key)) as client:
+        for d, prompts, dropped in data:
+            t0 = time.perf_counter()
+            batch = await RolloutController(rollout, client, reward_fn, decode).rollout_batch(prompts)
+            n = cfg.n_samples
+            groups = [batch.samples[i:i + n] for i in range(0, len(batch.samples), n)]
+            assert len(groups) == len(prompts) and all(len({s.group for s in g}) == 1 for g in groups)
+            correct = [sum(s.reward > 0.5 for s in g) for g in groups]  # the boba reward is 1 or 0
+            row = {"dataset": Path(d.path).stem, "path": d.path, "problems": len(prompts),
+                   "dropped_long": dropped, "samples": len(batch.samples), **pass_at_ks(correct, n, ks),
+                   "response_len_mean": batch.stats["rollout/response_len_mean"],
+                   "truncated_ratio": batch.stats["rollout/truncated_ratio"],
+                   "time_s": round(time.perf_counter() - t0, 3),
+                   "per_problem": [{"source": p.source, "correct": c} for p, c in zip(prompts, correct)]}
+            print(f"[eval] {row['dataset']}: pass@1 {row['pass@1']:.3f} over {len(prompts)} problems "
+                  f"x {n} samples ({row['time_s']:.1f} s)", flush=True)
+            rows.append(row)
+    return rows
+
+
+def format_table(report: dict) -> str:
+    """One line per dataset: problems, samples per problem, pass@1 and every pass@k."""
+    rows = report["datasets"]
+    keys = [k for k in rows[0] if k.startswith("pass@")]
+    width = max(len("dataset"), *(len(r["dataset"]) for r in rows))
+    head = f"{'dataset':<{width}}  {'problems':>8}  {'n':>4}  " + "  ".join(f"{k:>8}" for k in keys)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['dataset']:<{width}}  {r['problems']:>8}  {report['n_samples']:>4}  "
+                     + "  ".join(f"{r[k]:>8.4f}" for k in keys))
+    return "\n".join(lines)
