@@ -260,6 +260,40 @@ def run_eval(a) -> int:
     return 0
 
 
+def add_launch_parsers(sub) -> None:
+    p = sub.add_parser(
+        "launch", help="submit a run to Slurm through submitit (requeue, sweeps)",
+        description="Submit a run as a submitit Slurm job that runs the in-allocation launcher "
+                    "(rollout servers + trainer steps, launch.allocation) and requeues itself on "
+                    "time limit or preemption, resuming from its checkpoint.",
+        epilog="example: areal-mcore launch --config configs/boba_7b.yaml --nodes 4 --gpus-per-node 8 "
+               "--partition gpu --time 72:00:00 --wait launch.allocation=sglang:d16+megatron:d8t2")
+    p.add_argument("--config", required=True, help="YAML under configs/")
+    p.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the config")
+    p.add_argument("--nodes", type=int, required=True, help="nodes of the allocation")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; 0 for CPU nodes")
+    p.add_argument("--partition", help="Slurm partition (default: the cluster's)")
+    p.add_argument("--time", default="72:00:00", help="limit of one try, [D-]HH:MM:SS (default 72:00:00)")
+    p.add_argument("--folder", default="runs/submitit", help="submitit's logs and pickles")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                   help="one array task per combination of values (repeatable)")
+    p.add_argument("--max-restarts", type=int, default=3, help="requeues on time limit before giving up")
+    p.add_argument("--wait", action="store_true", help="print state changes until done, then the results")
+
+
+def run_launch(a) -> int:
+    from areal_mcore.launcher.submit import SubmitConfig, submit, wait
+
+    jobs = submit(SubmitConfig(config=a.config, overrides=a.overrides, nodes=a.nodes, gpus_per_node=a.gpus_per_node,
+                               partition=a.partition, time=a.time, folder=a.folder, sweep=a.sweep,
+                               max_restarts=a.max_restarts))
+    print("submitted: " + " ".join(j.job_id for j in jobs), flush=True)
+    if a.wait:
+        for result in wait(jobs):
+            print(json.dumps(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="areal-mcore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -267,10 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     add_filter_parsers(sub)
     add_train_parsers(sub)
     add_eval_parsers(sub)
+    add_launch_parsers(sub)
     a = parser.parse_args(argv)
     try:
         return {"convert": run_convert, "filter": run_filter, "train": run_train,
-                "sft": run_train, "eval": run_eval}[a.command](a)
+                "sft": run_train, "eval": run_eval, "launch": run_launch}[a.command](a)
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"areal-mcore {a.command}: error: {e}", file=sys.stderr)
         return 2

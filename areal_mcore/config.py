@@ -27,6 +27,7 @@ from omegaconf.errors import (
 
 from areal_mcore.algo.normalize import LEVELS as NORM_LEVELS
 from areal_mcore.data.jsonl import DatasetConfig
+from areal_mcore.launcher.config import LaunchConfig
 from areal_mcore.reward.pool import RewardPoolConfig
 from areal_mcore.rollout.controller import RolloutConfig
 from areal_mcore.rollout.launcher import ServerConfig
@@ -263,6 +264,7 @@ class ExperimentConfig:
     reward: RewardPoolConfig = field(default_factory=RewardPoolConfig)
     trainer: TrainerConfig | None = None
     sft: SFTConfig | None = None
+    launch: LaunchConfig = field(default_factory=LaunchConfig)  # Slurm (launcher/slurm.py)
 
 
 # --------------------------------------------------------------------------- loading

@@ -126,3 +126,27 @@ def test_async_ppo_run_trains_on_samples_at_most_max_head_offpolicyness_old(tmp_
         dumped = [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
         # tokens come from the weights trained on, or at most one version before
         assert {v for d in dumped for v in d["versions"]} <= {step - 2, step - 1}
+
+
+@pytest.mark.slow
+def test_a_stop_file_checkpoints_and_exits_and_the_next_run_goes_on(tmp_path):
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=16, n_test=4,
+                                                hidden_size=32, intermediate_size=64, num_layers=1))
+    overrides = [
+        "experiment_name=stop", f"model_path={assets['model']}", "actor.vocab_divisible_by=8",
+        "actor.optimizer.lr=1e-4",
+        "actor.mb_spec.max_tokens_per_mb=512", f"dataset.path={assets['train']}",
+        "rollout.max_new_tokens=8", "rollout.n_samples=2", "server.model_path=${model_path}",
+        "server.dtype=float32", "server.context_length=256", "weight_sync.dtype=float32",
+        "weight_sync.master_address=127.0.0.1", "reward.num_workers=1", "trainer.total_steps=3",
+        "trainer.batch_size=2", f"trainer.log_dir={tmp_path / 'runs'}", "trainer.progress=false",
+    ]
+    run_dir = tmp_path / "runs" / "stop"
+    run_dir.mkdir(parents=True)
+    (run_dir / "STOP").touch()  # e.g. the Slurm launcher on its time-limit signal
+    (first,) = run_gloo(_ppo_worker, 1, overrides)
+    assert [r["step"] for r in first] == [1] and not (run_dir / "STOP").exists()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip().endswith("1")
+    assert not (run_dir / "hf").exists()  # not the last step: no export
+    (second,) = run_gloo(_ppo_worker, 1, overrides)
+    assert [r["step"] for r in second] == [2, 3]

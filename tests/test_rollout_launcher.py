@@ -56,3 +56,30 @@ def test_rollout_imports_no_megatron_and_no_actor():
             "m.startswith(('megatron', 'areal_mcore.actor', 'areal_mcore.trainer'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_server_dies_with_the_process_that_launched_it(tmp_path):
+    """A trainer killed with SIGKILL (OOM killer, node agent) leaves no server running,
+    although servers live in their own session."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    code = ("import sys, time\n"
+            "from areal_mcore.rollout.launcher import ServerProcess\n"
+            f"s = ServerProcess(['sleep', '120'], host='127.0.0.1', port=1, log_path={str(tmp_path / 'log')!r})\n"
+            "print(s.proc.pid, flush=True)\n"
+            "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    server = psutil.Process(int(parent.stdout.readline()))
+    assert server.is_running() and os.getsid(server.pid) != os.getsid(parent.pid)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 10
+    while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:
+        assert time.time() < deadline, "the server outlived its launcher"
+        time.sleep(0.05)

@@ -78,6 +78,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launching thread's process dies, so a
+    trainer killed with SIGKILL leaves no server behind (its own session would keep it)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class ServerProcess:
     """One server subprocess in its own session (so stop() takes its children too)."""
 
@@ -87,7 +96,7 @@ class ServerProcess:
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=env)
+                                     start_new_session=True, env=env, preexec_fn=_die_with_parent)
 
     @property
     def address(self) -> str:

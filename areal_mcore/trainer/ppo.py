@@ -3,6 +3,8 @@
 Every rank runs ``train(cfg)`` (torchrun or the tests' gloo spawner). Global rank 0 owns
 the rollout side (servers, client, controller, reward pool) and hands each data-parallel
 replica its share of the prompt groups; all ranks train and take part in weight sync.
+A run stops early, with a checkpoint, when ``<run>/STOP`` appears or a rank gets SIGUSR2 or
+SIGTERM (Slurm's time-limit warning, preemption, scancel); the Slurm launcher requeues it.
 ``trainer.mode=sync`` samples each batch with the weights it trains; ``async`` keeps
 sampling during training (rank 0's event loop runs on its own thread), with samples at
 most ``rollout.max_head_offpolicyness`` versions old and the decoupled loss correcting for it.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import signal
 import threading
 import time
 from functools import partial
@@ -62,10 +65,15 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             with phase("eval"):
                 run.evaluate(step=step + 1)
             run.log(step + 1, batch, rollout_stats, train_stats, sync_stats)
+            stop = run.stop_requested()  # <run>/STOP, SIGUSR2 or SIGTERM: checkpoint and leave
             with phase("save"):  # reported with the next step
-                run.maybe_save(step + 1)
-    finally:
-        run.close()
+                run.maybe_save(step + 1, force=stop)
+            if stop:
+                break
+    except BaseException:
+        run.close(barrier=False)  # the other ranks may be gone: no collective
+        raise
+    run.close()
     return run.history
 
 
@@ -88,6 +96,10 @@ class PPORun:
         self._loop_thread.start()
         self.history: list[dict] = []
         self.evals: list[dict] = []
+        self._signalled, self._old_handlers = False, {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGUSR2, signal.SIGTERM):
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
             self._setup()
         except BaseException:
@@ -224,11 +236,27 @@ class PPORun:
         self.logger.print(f"[eval] step {step}: accuracy {row['eval/accuracy']:.3f} over "
                            f"{len(self.eval_prompts)} held-out problems x {self.cfg.rollout.n_samples} samples")
 
-    def maybe_save(self, step: int) -> None:
-        """A checkpoint every ``trainer.save_freq`` steps, an HF export every
-        ``trainer.export_freq``; both after the last step."""
+    def stop_requested(self) -> bool:
+        """Whether any rank was signalled or rank 0 sees ``<run>/STOP`` (removed once seen,
+        so the requeued run goes on)."""
+        flag = self._signalled
+        if self.rank == 0 and (self.run_dir / "STOP").exists():
+            (self.run_dir / "STOP").unlink()
+            flag = True
+        flags: list = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, flag)
+        if any(flags) and self.rank == 0:
+            self.logger.print("[ppo] stop requested: checkpointing and exiting (resume continues from here)")
+        return any(flags)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signalled = True  # acted on at the end of the step, between collectives
+
+    def maybe_save(self, step: int, force: bool = False) -> None:
+        """A checkpoint every ``trainer.save_freq`` steps (and when ``force``d), an HF
+        export every ``trainer.export_freq``; both after the last step."""
         t, last = self.cfg.trainer, step == self.cfg.trainer.total_steps
-        if t.save_freq and (step % t.save_freq == 0 or last):
+        if force or (t.save_freq and (step % t.save_freq == 0 or last)):
             extra = None
             if self.rank == 0:
                 extra = {"sampler": self._on_loop(self.sampler.state_dict),
@@ -287,6 +315,8 @@ class PPORun:
         self.loop.close()
         if self.phases is not None:
             self.phases.close()
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
         plot = self.logger.close() if self.logger is not None else None
         if not barrier:
             return

@@ -1,0 +1,1 @@
+"""Launching runs: the allocation string, Slurm (sbatch + in-allocation launcher), submitit."""

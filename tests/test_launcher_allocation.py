@@ -1,0 +1,69 @@
+"""The allocation string: parsing, placement on nodes x GPUs, errors with the arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_mcore.launcher.allocation import AllocationError, Side, parse_allocation
+
+
+def test_parse_and_place_the_boba_layouts():
+    a = parse_allocation("sglang:d4t2+megatron:d2p2t4")
+    assert a.rollout == Side("sglang", d=4, t=2) and a.trainer == Side("megatron", d=2, p=2, t=4)
+    assert (a.rollout.gpus, a.trainer.gpus) == (8, 16)
+    assert a.place(nodes=3, gpus_per_node=8) == (1, 2)
+    assert str(a) == "sglang:d4t2+megatron:d2p2t4"
+    # order of letters is free; context parallelism on the trainer; sub-node sides
+    assert parse_allocation("sglang:t2d4+megatron:c2d2").trainer.gpus == 4
+    assert parse_allocation("embedded:d1+megatron:d1").place(nodes=2, gpus_per_node=1) == (1, 1)
+    assert parse_allocation("sglang:d2+megatron:d4").place(nodes=2, gpus_per_node=8) == (1, 1)
+    # 128 nodes x 8 GPUs: the 32B PPO layout
+    assert parse_allocation("sglang:d128t4+megatron:d16p4t8").place(nodes=128, gpus_per_node=8) == (64, 64)
+
+
+@pytest.mark.parametrize("text,nodes,gpn,message", [
+    # too few nodes: both sides' products and the node sum are spelled out
+    ("sglang:d4t2+megatron:d2p2t4", 2, 8,
+     "rollout d4 x t2 = 8 GPUs -> 1 node(s), trainer d2 x p2 x t4 = 16 GPUs -> 2 node(s) of 8 GPUs: "
+     "1 + 2 = 3 nodes, but the allocation has 2"),
+    # a side that is neither whole nodes nor within one node
+    ("sglang:d3t4+megatron:d8", 3, 8,
+     "sglang:d3t4: d3 x t4 = 12 GPUs, which is neither whole 8-GPU nodes nor at most one node "
+     "(12 / 8 = 1.50 nodes)"),
+    # tensor parallelism wider than a node
+    ("sglang:d1t16+megatron:d8", 3, 8, "tensor parallel size t16 exceeds the 8 GPUs of a node"),
+])
+def test_allocations_that_do_not_fit_say_why_with_numbers(text, nodes, gpn, message):
+    with pytest.raises(AllocationError) as e:
+        parse_allocation(text).place(nodes, gpn)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("sglang:d4", "must be '<rollout>:<dims>+megatron:<dims>'"),
+    ("vllm:d4+megatron:d2", "rollout backend 'vllm' is not one of ['sglang', 'embedded']"),
+    ("megatron:d2+sglang:d4", "rollout backend 'megatron'"),
+    ("sglang:d4x2+megatron:d2", "'sglang:d4x2' is not '<name>:<dims>'"),
+    ("sglang:d4d2+megatron:d2", "gives 'd' twice"),
+    ("sglang:d0+megatron:d2", "sizes are >= 1"),
+    ("sglang:d2c2+megatron:d2", "context parallelism (c) is a trainer dimension"),
+])
+def test_malformed_strings_name_the_bad_part(text, message):
+    with pytest.raises(AllocationError) as e:
+        parse_allocation(text)
+    assert message in str(e.value)
+
+
+def test_a_trainer_only_allocation_is_for_sft_and_the_config_checks_the_pairing():
+    from areal_mcore.config import ConfigError, load_config
+
+    sft = parse_allocation("megatron:d1p4t8")
+    assert sft.rollout is None and sft.place(nodes=4, gpus_per_node=8) == (0, 4)
+    with pytest.raises(AllocationError, match="trainer d1 x p4 x t8 = 32 GPUs -> 4 node"):
+        sft.place(nodes=2, gpus_per_node=8)
+    cfg = load_config("configs/boba_32b_sft.yaml", ["launch.stage=sft", "launch.allocation=megatron:d1p4t8"])
+    assert cfg.launch.stage == "sft"
+    with pytest.raises(ConfigError, match="ppo needs '<rollout>:<dims>\\+megatron:<dims>'"):
+        load_config("configs/boba_7b.yaml", ["launch.allocation=megatron:d8"])
+    with pytest.raises(ConfigError, match="launch.allocation"):
+        load_config("configs/boba_7b.yaml", ["launch.allocation=sglang:d4x+megatron:d1"])
