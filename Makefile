@@ -8,7 +8,7 @@ VENV_FLAGS ?=
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test lint run bench clean
+.PHONY: install sysdeps test lint run bench clean slurm-up slurm-down
 
 install: $(STAMP)
 
@@ -19,11 +19,25 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+# What the suite needs from the system (root, or sudo): a real Slurm cluster on this
+# machine (2 virtual nodes, accounting) and shellcheck for the sbatch scripts.
+sysdeps: slurm-up
+	command -v shellcheck >/dev/null || apt-get install -y -qq shellcheck >/dev/null \
+	  || { apt-get update -qq && apt-get install -y -qq shellcheck >/dev/null; }
+
+slurm-up:
+	bash scripts/slurm_local_up.sh
+
+slurm-down:
+	bash scripts/slurm_local_down.sh
+
+# AREAL_REQUIRE_SYSDEPS: Slurm/shellcheck tests fail instead of skipping when missing.
+test: install sysdeps
+	AREAL_REQUIRE_SYSDEPS=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
+	shellcheck -x scripts/*.sh launch/slurm/*.sh
 
 bench: install
 	$(PY) bench/allocator.py

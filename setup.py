@@ -18,6 +18,8 @@ INSTALL_REQUIRES = [
     # the trainer's per-step scalars and its reward/accuracy plot
     "tensorboard",
     "matplotlib",
+    # areal-mcore launch (Slurm jobs with requeue); 1.5.4 is tested against slurm-wlm 22.05
+    "submitit>=1.5",
     # the boba reward; antlr4 4.13.2 is the LaTeX parser runtime it needs
     "math-verify[antlr4_13_2]==0.9.0",
     # the embedded rollout server (HTTP both ways) and its model; the engine uses the

@@ -23,5 +23,6 @@ echo "per-step stats (JSON lines):          $RUN/stats.jsonl"
 echo "held-out accuracy (JSON lines):       $RUN/eval.jsonl"
 echo "TensorBoard logs:                     $RUN/tensorboard  (tensorboard --logdir $RUN/tensorboard)"
 echo "reward/accuracy plot:                 $RUN/curves.png"
-echo "exported HF checkpoint (last step):   $(ls -d "$RUN"/hf/step_* 2>/dev/null | sort -V | tail -1)"
+last_export=$(find "$RUN/hf" -maxdepth 1 -name 'step_*' 2>/dev/null | sort -V | tail -1)
+echo "exported HF checkpoint (last step):   ${last_export:-none}"
 echo "rollout server logs:                  $RUN/servers"

@@ -67,3 +67,16 @@ def test_a_trainer_only_allocation_is_for_sft_and_the_config_checks_the_pairing(
         load_config("configs/boba_7b.yaml", ["launch.allocation=megatron:d8"])
     with pytest.raises(ConfigError, match="launch.allocation"):
         load_config("configs/boba_7b.yaml", ["launch.allocation=sglang:d4x+megatron:d1"])
+
+
+def test_sweeps_expand_to_named_runs_and_times_parse():
+    from areal_mcore.launcher.submit import _minutes, sweep_overrides
+
+    runs = sweep_overrides(["a=1"], ["actor.optimizer.lr=1e-5,2e-5", "ppo.eps_clip=0.2,0.4"], "boba")
+    assert len(runs) == 4 and runs[0] == ["a=1", "actor.optimizer.lr=1e-5", "ppo.eps_clip=0.2",
+                                          "experiment_name=boba-lr1e-5-eps_clip0.2"]
+    assert len({r[-1] for r in runs}) == 4  # every run writes its own folder
+    assert sweep_overrides(["a=1"], [], "boba") == [["a=1"]]
+    with pytest.raises(ValueError, match="must be key=value1,value2"):
+        sweep_overrides([], ["lr"], "boba")
+    assert (_minutes("72:00:00"), _minutes("10:00"), _minutes("1-00:30:00"), _minutes("0:0:30")) == (4320, 10, 1470, 1)

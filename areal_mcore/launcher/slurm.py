@@ -99,8 +99,11 @@ class Launcher:
                            rollout_nodes=rollout_nodes, trainer_nodes=trainer_nodes, logs=str(self.logs))
         if job.restarts > launch.max_restarts:
             return self._fail(f"restarted {job.restarts} times, over launch.max_restarts={launch.max_restarts}")
+        (self.run_dir / "STOP").unlink(missing_ok=True)  # a request to an earlier try
         if self.requeue_self:
             signal.signal(signal.SIGUSR2, self._on_usr2)
+            if _EARLY_USR2:  # arrived while this process was still importing
+                self._on_usr2(signal.SIGUSR2, None)
         signal.signal(signal.SIGTERM, self._on_term)
         try:
             addresses = self._start_servers(rollout_nodes) if self.alloc.rollout else []
@@ -286,7 +289,13 @@ def serve(config: str, overrides: list[str], index: int, host: str, rendezvous: 
     os.execv(cmd[0], cmd)
 
 
+_EARLY_USR2: list[int] = []
+
+
 def main(argv: list[str] | None = None) -> int:
+    # First thing: Slurm's time-limit signal can come before the launcher is ready, and
+    # SIGUSR2's default action would end the job.
+    signal.signal(signal.SIGUSR2, lambda signum, frame: _EARLY_USR2.append(signum))
     p = argparse.ArgumentParser(prog="python -m areal_mcore.launcher.slurm", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a config inside this Slurm allocation")

@@ -101,10 +101,12 @@ def submit(cfg: SubmitConfig):
         load_config(cfg.config, overrides)
     executor = submitit.SlurmExecutor(folder=cfg.folder, max_num_timeout=cfg.max_restarts)
     executor.update_parameters(
-        job_name=name, nodes=cfg.nodes, ntasks_per_node=1, time=_minutes(cfg.time),
+        job_name=name, nodes=1, ntasks_per_node=1, time=_minutes(cfg.time),
         use_srun=False,  # the launcher starts its own srun steps from the batch step
-        # to the batch step only: torchrun (in the trainer step) has no USR2 handler
-        additional_parameters={"signal": "B:USR2@300", "requeue": True},
+        # The node count goes to sbatch directly: submitit would otherwise wait for a result
+        # from nodes x ntasks_per_node tasks, and the launcher is one process. USR2 goes
+        # to the batch step only: torchrun (in the trainer step) has no handler for it.
+        additional_parameters={"nodes": cfg.nodes, "signal": "B:USR2@300", "requeue": True},
         **({"partition": cfg.partition} if cfg.partition else {}),
         **({"gpus_per_node": cfg.gpus_per_node} if cfg.gpus_per_node else {}),
     )

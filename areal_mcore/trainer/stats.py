@@ -221,11 +221,16 @@ def plot_curves(run_dir: Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in rows]
-    ax.plot(steps, [r["rollout/reward_mean"] for r in rows], lw=0.8, alpha=0.6, label="train reward (mean)")
-    ax.plot(steps, [r.get("rollout/accuracy", r["rollout/reward_mean"]) for r in rows], lw=0.8, alpha=0.6,
-            label="train accuracy")
+    # boba's reward is 1/0 on the answer, so its mean is the training accuracy.
+    acc = [r.get("rollout/accuracy", r["rollout/reward_mean"]) for r in rows]
+    ax.plot(steps, acc, lw=0.6, alpha=0.4, color="C0", label="train accuracy (= reward mean)")
+    w = 10
+    if len(acc) >= w:
+        smooth = [sum(acc[i - w + 1:i + 1]) / w for i in range(w - 1, len(acc))]
+        ax.plot(steps[w - 1:], smooth, color="C0", label=f"train accuracy, {w}-step mean")
     if evals:
-        ax.plot([e["step"] for e in evals], [e["eval/accuracy"] for e in evals], "o-", label="held-out accuracy")
+        ax.plot([e["step"] for e in evals], [e["eval/accuracy"] for e in evals], "o-", color="C2",
+                label="held-out accuracy")
     ax.set_xlabel("PPO step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)

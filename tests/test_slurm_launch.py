@@ -1,0 +1,154 @@
+"""The tiny boba run through the real Slurm launch path on the local 2-node cluster:
+sbatch script -> in-allocation launcher -> rollout server step on node1 + trainer step on
+node2; requeue (scontrol and time limit) resumes from the checkpoint; scancel leaves no
+process behind; the submitit path returns the final stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+from _slurm import REPO, require, require_cluster, run, state, steps, wait
+
+from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    require_cluster()
+    out = tmp_path_factory.mktemp("slurm_assets")
+    return build_tiny_assets(TinyAssetsConfig(out_dir=str(out), n_train=32, n_test=4, hidden_size=32,
+                                              intermediate_size=64, num_layers=1))
+
+
+def _overrides(assets, log_dir, name, steps):
+    return [f"experiment_name={name}", f"model_path={assets['model']}", f"dataset.path={assets['train']}",
+            "trainer.eval_freq=0", f"trainer.total_steps={steps}", "trainer.batch_size=2", "trainer.save_freq=1",
+            f"trainer.log_dir={log_dir}", "trainer.progress=false", "rollout.n_samples=2",
+            "rollout.max_new_tokens=8", "ppo.reward_norm.group_size=2", "actor.mb_spec.max_tokens_per_mb=512",
+            "reward.num_workers=1", "server.context_length=256"]
+
+
+def _sbatch(overrides, tmp_path, *flags, mark=""):
+    env = {**os.environ, "CONFIG": "configs/tiny_cpu.yaml", "ALLOC": "embedded:d1+megatron:d1",
+           "GPUS_PER_NODE": "1", "PY": sys.executable, "AREAL_TEST_MARK": mark}
+    out = run("sbatch", "--parsable", "-N", "2", "--gpus-per-node=0", "--time=10",
+              f"--output={tmp_path}/slurm-%j.out", *flags, "launch/slurm/boba_1.5b.sh", *overrides,
+              cwd=REPO, env=env)
+    return out.strip().split(";")[0]
+
+
+def _rows(run_dir):
+    path = run_dir / "stats.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _status(run_dir):
+    return json.loads((run_dir / "slurm" / "status.json").read_text())
+
+
+def _wait_rows(run_dir, n, job_id, timeout_s=240):
+    deadline = time.monotonic() + timeout_s
+    while len(_rows(run_dir)) < n:
+        assert time.monotonic() < deadline and state(job_id) in ("PENDING", "RUNNING", ""), \
+            f"job {job_id} is {state(job_id)} with {len(_rows(run_dir))} steps logged"
+        time.sleep(0.5)
+
+
+def test_sbatch_run_requeued_mid_run_resumes_and_completes(assets, tmp_path):
+    steps_total = 6
+    job = _sbatch(_overrides(assets, tmp_path, "requeue", steps_total), tmp_path)
+    run_dir = tmp_path / "requeue"
+    _wait_rows(run_dir, 2, job)
+    run("scontrol", "requeue", job)
+    assert wait(job, 400) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
+    status = _status(run_dir)
+    assert status["state"] == "COMPLETED" and status["restarts"] == 1 and status["step"] == steps_total
+    assert [r["step"] for r in _rows(run_dir)] == list(range(1, steps_total + 1))
+    # The second try resumed from a checkpoint of the first (not from step 0).
+    log = (run_dir / "slurm" / f"job{job}_try1" / "trainer.log").read_text()
+    resumed_at = int(log.split("at step ")[1].split()[0])
+    assert resumed_at >= 1, log[-2000:]
+    # Rollout server on the first node, trainer on the second (accounting's last try).
+    st = steps(job)
+    assert st["rollout0"][1] == "node1" and st["trainer"] == ("COMPLETED", "node2"), st
+    assert (run_dir / "checkpoints" / "latest").is_file()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_time_limit_signal_checkpoints_requeues_and_finishes(assets, tmp_path):
+    """--time=2 with --signal=B:USR2@60: the warning comes 60-90 s into each try (Slurm
+    checks limits every ~30 s); the launcher asks the trainer to checkpoint, requeues the
+    job, and the next try goes on from there until all steps are done."""
+    steps_total = 50
+    job = _sbatch(_overrides(assets, tmp_path, "timelimit", steps_total) + ["launch.max_restarts=6"], tmp_path,
+                  "--time=2", "--signal=B:USR2@60")
+    assert wait(job, 900) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
+    run_dir = tmp_path / "timelimit"
+    status = _status(run_dir)
+    assert status["state"] == "COMPLETED" and status["restarts"] >= 1
+    assert [r["step"] for r in _rows(run_dir)] == list(range(1, steps_total + 1))
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    assert "time limit near (SIGUSR2)" in out and "requeueing job" in out
+
+
+def _marked(mark: str) -> list[int]:
+    """Processes whose environment carries the test's mark (inherited through sbatch,
+    srun, torchrun and every child)."""
+    pids = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("AREAL_TEST_MARK") == mark:
+                pids.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return pids
+
+
+def test_scancel_stops_every_step_and_leaves_no_process(assets, tmp_path):
+    mark = uuid.uuid4().hex
+    job = _sbatch(_overrides(assets, tmp_path, "cancel", 50), tmp_path, mark=mark)
+    _wait_rows(tmp_path / "cancel", 1, job)
+    assert len(_marked(mark)) >= 4  # launcher, server, torchrun agent, trainer rank, ...
+    run("scancel", job)
+    assert wait(job, 120) == "CANCELLED"
+    deadline = time.monotonic() + 60
+    while _marked(mark):
+        assert time.monotonic() < deadline, [psutil.Process(p).cmdline() for p in _marked(mark)]
+        time.sleep(0.5)
+    assert all(s in ("CANCELLED", "COMPLETED", "FAILED") for s, _ in steps(job).values()), steps(job)
+
+
+def test_submitit_launch_completes_and_returns_the_final_stats(assets, tmp_path):
+    from areal_mcore.launcher.submit import SubmitConfig, submit
+
+    overrides = _overrides(assets, tmp_path, "submitit", 3) + [
+        "launch.allocation=embedded:d1+megatron:d1", "launch.gpus_per_node=1"]
+    cwd = os.getcwd()
+    os.chdir(REPO)  # the job runs where it was submitted from
+    try:
+        (job,) = submit(SubmitConfig(config="configs/tiny_cpu.yaml", overrides=overrides, nodes=2,
+                                     gpus_per_node=0, time="10:00", folder=str(tmp_path / "submitit")))
+    finally:
+        os.chdir(cwd)
+    result = job.result()  # blocks until the job ends
+    assert result["status"]["state"] == "COMPLETED"
+    assert result["last_step"]["step"] == 3 and result["last_step"]["sync/server_versions"] == ["3"]
+    assert wait(job.job_id, 60) == "COMPLETED"
+
+
+def test_sbatch_scripts_pass_bash_n_and_shellcheck():
+    require("shellcheck", "shellcheck is not installed")
+    scripts = sorted(str(p) for p in [*REPO.glob("launch/slurm/*.sh"), *REPO.glob("scripts/*.sh")])
+    assert len(scripts) >= 6
+    for path in scripts:
+        subprocess.run(["bash", "-n", path], check=True)
+    subprocess.run(["shellcheck", "-x", *scripts], check=True, cwd=REPO)
