@@ -112,6 +112,19 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(assets, tmp_path):
     wait(job, 120)
 
 
+def test_a_job_past_its_restart_budget_fails_with_the_reason(assets, tmp_path):
+    """Node failures and preemptions requeue the job (Slurm does, with --requeue); the
+    launcher refuses to start a try past launch.max_restarts instead of looping forever."""
+    job = _sbatch(_overrides(assets, tmp_path, "budget", 100_000) + ["launch.max_restarts=0"], tmp_path)
+    _wait_rows(tmp_path / "budget", 1, job)
+    run("scontrol", "requeue", job)
+    assert wait(job, 300) == "FAILED"
+    status = _status(tmp_path / "budget")
+    assert status["state"] == "FAILED" and status["restarts"] == 1
+    assert status["error"] == "restarted 1 times, over launch.max_restarts=0"
+    assert "over launch.max_restarts=0" in (tmp_path / f"slurm-{job}.out").read_text()
+
+
 def _marked(mark: str) -> list[int]:
     """Processes whose environment carries the test's mark (inherited through sbatch,
     srun, torchrun and every child)."""
