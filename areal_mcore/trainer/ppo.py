@@ -95,7 +95,6 @@ class PPORun:
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="ppo-asyncio", daemon=True)
         self._loop_thread.start()
         self.history: list[dict] = []
-        self.evals: list[dict] = []
         self._signalled, self._old_handlers = False, {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGUSR2, signal.SIGTERM):
@@ -231,7 +230,6 @@ class PPORun:
         out = self._run(self.evaluator.rollout_batch(self.eval_prompts))
         row = {"step": step, "eval/accuracy": out.stats["rollout/accuracy"],
                "eval/n_samples": out.stats["rollout/n_samples"], "eval/time_s": time.perf_counter() - t}
-        self.evals.append(row)
         self.logger.eval(row)
         self.logger.print(f"[eval] step {step}: accuracy {row['eval/accuracy']:.3f} over "
                            f"{len(self.eval_prompts)} held-out problems x {self.cfg.rollout.n_samples} samples")
