@@ -78,7 +78,8 @@ class Launcher:
         self.cfg = cfg = load_config(config, overrides)
         self.alloc = parse_allocation(cfg.launch.allocation)
         self.job = SlurmJob.from_env()
-        self.run_dir = Path(cfg.trainer.log_dir) / cfg.experiment_name
+        # SFT configs have no trainer section: their run folder is the default one.
+        self.run_dir = Path(cfg.trainer.log_dir if cfg.trainer else "runs") / cfg.experiment_name
         self.slurm_dir = self.run_dir / "slurm"
         self.logs = self.slurm_dir / f"job{self.job.job_id}_try{self.job.restarts}"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -181,13 +182,14 @@ class Launcher:
             self._check_steps()
             self.status.update(step=self._step(), last_checkpoint=self._checkpoint())
             time.sleep(1.0)
-        step, total = self._checkpoint_step(), self.cfg.trainer.total_steps
         self.status.update(step=self._step(), last_checkpoint=self._checkpoint())
         if trainer.returncode != 0:
             return self._fail(f"trainer exited with code {trainer.returncode} (log {self.logs / 'trainer.log'})")
         if self.terminating:
             self.status.update(state="TERMINATED")
             return 143
+        # PPO stops early (with a checkpoint) only when asked to; SFT runs to its end.
+        step, total = self._checkpoint_step(), self.cfg.trainer.total_steps if self.cfg.trainer else 0
         if self._step() < total and not self.requeue_self:
             self.status.update(state="STOPPED")  # <run>/STOP by hand; submitting again goes on
             return 0
