@@ -42,6 +42,7 @@ lint: install
 bench: install
 	$(PY) bench/allocator.py
 	$(PY) bench/rollout_server.py
+	$(PY) bench/kernels.py
 
 run: install
 	PY=$(PY) scripts/quickstart.sh

@@ -32,7 +32,9 @@ EXTRAS_REQUIRE = {
     # NVIDIA apex is not on PyPI; it comes with NVIDIA's PyTorch containers and is
     # detected at run time (areal_mcore/accel.py), like transformer-engine.
     "gpu": ["transformer-engine[pytorch]", "sglang", "nvidia-ml-py"],
-    "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff"],
+    # triton: the kernels' tests run it on CPU through its interpreter (3.9 is tested;
+    # GPU installs get it with CUDA torch anyway).
+    "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff", "triton"],
 }
 
 setup(

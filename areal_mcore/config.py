@@ -27,6 +27,7 @@ from omegaconf.errors import (
 
 from areal_mcore.algo.normalize import LEVELS as NORM_LEVELS
 from areal_mcore.data.jsonl import DatasetConfig
+from areal_mcore.kernels import KERNEL_CHOICES as KERNELS
 from areal_mcore.launcher.config import LaunchConfig
 from areal_mcore.reward.pool import RewardPoolConfig
 from areal_mcore.rollout.controller import RolloutConfig
@@ -116,6 +117,8 @@ class PPOConfig:
     reward_clip: float = 20.0
     reward_norm: NormConfig | None = None
     adv_norm: NormConfig | None = None
+    # GAE (kernels/gae.py): "auto" is Triton on GPU with triton installed, torch otherwise.
+    gae_kernel: str = "auto"
 
     def __post_init__(self):
         _check_positive("ppo_n_minibatches", self.ppo_n_minibatches)
@@ -129,6 +132,7 @@ class PPOConfig:
                 f"behav_imp_weight_cap={self.behav_imp_weight_cap} must be > 1 (or null)"
             )
         _check_choice("prox_logp_method", self.prox_logp_method, PROX_LOGP_METHODS)
+        _check_choice("gae_kernel", self.gae_kernel, KERNELS)
         for key in ("discount", "gae_lambda"):
             _check_unit_interval(key, getattr(self, key))
         _check_positive("reward_clip", self.reward_clip)
@@ -191,10 +195,14 @@ class ActorConfig:
     vocab_divisible_by: int = 128
     # "auto": TransformerEngine's spec when TE imports with CUDA, else the local spec.
     layer_spec: str = "auto"
+    # Fused vocab-parallel logprob (kernels/logprob.py): "auto" is Triton on GPU with
+    # triton installed, the chunked torch path otherwise; both give the same numbers.
+    logprob_kernel: str = "auto"
 
     def __post_init__(self):
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("layer_spec", self.layer_spec, LAYER_SPECS)
+        _check_choice("logprob_kernel", self.logprob_kernel, KERNELS)
         _check_positive("vocab_divisible_by", self.vocab_divisible_by)
 
 

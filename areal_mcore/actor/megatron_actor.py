@@ -178,7 +178,8 @@ class MegatronActor:
     def _logprobs(self, mb: PackedBatch, logits_1TV: torch.Tensor, temperature: float) -> torch.Tensor:
         return token_logprobs(logits_1TV.squeeze(0), mb.input_ids.to(self.device),
                               mb.cu_seqlens_padded.to(self.device), vocab_size=self.args.vocab_size,
-                              tp_rank=self.groups.tp_rank, temperature=temperature)
+                              tp_rank=self.groups.tp_rank, tp_group=self.groups.tp,
+                              temperature=temperature, kernel=self.cfg.logprob_kernel)
 
     def _run(self, micro_batches: list[PackedBatch], loss_func, forward_only: bool):
         return self._fb(

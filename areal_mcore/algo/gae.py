@@ -6,11 +6,15 @@ Only tokens with ``loss_mask`` on are actions (the generated response); the scan
 the others, so a masked span inside a sequence neither receives an advantage nor breaks
 the recursion. The sequence's scalar reward sits on its last action token. With no
 values (critic-free, boba) and γ = λ = 1, every action token gets its sequence reward.
+``kernel`` picks the Triton kernel (``kernels/gae.py``, one program per sequence) or this
+vectorised torch path; both give the same numbers.
 """
 
 from __future__ import annotations
 
 import torch
+
+from areal_mcore.kernels import use_triton
 
 
 def gae_packed(
@@ -21,6 +25,7 @@ def gae_packed(
     lam: float,
     values_T: torch.Tensor | None = None,
     loss_mask_T: torch.Tensor | None = None,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns per token; zero on tokens that are not actions.
 
@@ -30,10 +35,17 @@ def gae_packed(
         gamma, lam: discount and GAE λ.
         values_T: critic values per token; None means 0 (no critic).
         loss_mask_T: action tokens; None means every token.
+        kernel: ``PPOConfig.gae_kernel``: "auto" (Triton with CUDA), "triton" or "torch".
 
     Returns:
-        (advantages_T, returns_T), float32; returns = advantages + values.
+        (advantages_T, returns_T), float32, on the device of ``rewards_B``;
+        returns = advantages + values.
     """
+    if use_triton(kernel, "gae_kernel"):
+        from areal_mcore.kernels.gae import gae_packed_triton
+
+        return gae_packed_triton(rewards_B, cu_seqlens_B1, gamma=gamma, lam=lam,
+                                 values_T=values_T, loss_mask_T=loss_mask_T)
     cu = cu_seqlens_B1.long()
     T, B = int(cu[-1]), cu.numel() - 1
     device = rewards_B.device

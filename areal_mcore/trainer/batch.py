@@ -46,7 +46,7 @@ def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | Non
         rewards_B = normalize(rewards_B, **dataclasses.asdict(ppo.reward_norm), group=dp_group)
     mask_T = batch.fields["loss_mask"]
     adv_T, _ = gae_packed(rewards_B, batch.cu_seqlens_padded, gamma=ppo.discount, lam=ppo.gae_lambda,
-                          loss_mask_T=mask_T)
+                          loss_mask_T=mask_T, kernel=ppo.gae_kernel)
     if ppo.adv_norm is not None:
         adv_T = normalize(adv_T, **dataclasses.asdict(ppo.adv_norm), mask=mask_T, group=dp_group)
     batch.fields["adv"] = adv_T
