@@ -18,24 +18,28 @@ def _ppo_worker(rank, world, overrides):
     return train(load_config(None, overrides))
 
 
+def _overrides(assets, tmp_path, name: str, *extra: str) -> list[str]:
+    """What every tiny run here shares (fp32, one embedded server, 2 prompts a step) + extra."""
+    return [
+        f"experiment_name={name}", f"model_path={assets['model']}", f"dataset.path={assets['train']}",
+        "actor.vocab_divisible_by=8", "actor.mb_spec.max_tokens_per_mb=512",
+        "server.model_path=${model_path}", "server.dtype=float32", "weight_sync.dtype=float32",
+        "weight_sync.master_address=127.0.0.1", "reward.num_workers=1", "trainer.batch_size=2",
+        f"trainer.log_dir={tmp_path / 'runs'}", "trainer.progress=false", *extra,
+    ]
+
+
 @pytest.mark.slow
 def test_two_rank_ppo_run_computes_rewards_trains_and_syncs_every_step(tmp_path):
     assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=64, n_test=8,
                                                 hidden_size=64, intermediate_size=128, num_layers=2))
     steps = 3
-    overrides = [
-        "experiment_name=e2e", f"model_path={assets['model']}",
-        "actor.mb_spec.max_tokens_per_mb=512", "actor.optimizer.lr=1e-4", "actor.vocab_divisible_by=8",
-        f"dataset.path={assets['train']}", f"eval_dataset.path={assets['test']}", "trainer.eval_freq=2",
-        "trainer.trace=true", "trainer.dump_to_file=true", "trainer.progress=false",
-        "rollout.max_new_tokens=16", "rollout.n_samples=4",
-        "server.model_path=${model_path}", "server.dtype=float32", "server.context_length=512",
-        "weight_sync.dtype=float32", "weight_sync.master_address=127.0.0.1",
-        "reward.num_workers=1",
-        f"trainer.total_steps={steps}", "trainer.batch_size=2", f"trainer.log_dir={tmp_path / 'runs'}",
+    overrides = _overrides(
+        assets, tmp_path, "e2e", "actor.optimizer.lr=1e-4", f"eval_dataset.path={assets['test']}",
+        "trainer.eval_freq=2", "trainer.trace=true", "trainer.dump_to_file=true", "rollout.max_new_tokens=16",
+        "rollout.n_samples=4", "server.context_length=512", f"trainer.total_steps={steps}",
         "ppo.reward_bias=-0.5", "ppo.reward_scaling=10.0",
-        "ppo.reward_norm.mean_level=group", "ppo.reward_norm.std_level=group", "ppo.reward_norm.group_size=4",
-    ]
+        "ppo.reward_norm.mean_level=group", "ppo.reward_norm.std_level=group", "ppo.reward_norm.group_size=4")
     history = run_gloo(_ppo_worker, 2, overrides)
     rank0, rank1 = history
     assert [r["step"] for r in rank0] == list(range(1, steps + 1))
@@ -99,17 +103,11 @@ def test_async_ppo_run_trains_on_samples_at_most_max_head_offpolicyness_old(tmp_
     assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=64, n_test=8,
                                                 hidden_size=64, intermediate_size=128, num_layers=2))
     steps = 4
-    overrides = [
-        "experiment_name=async", f"model_path={assets['model']}", "actor.vocab_divisible_by=8",
-        "actor.mb_spec.max_tokens_per_mb=512", "actor.optimizer.lr=1e-3", f"dataset.path={assets['train']}",
-        "rollout.max_new_tokens=16", "rollout.n_samples=4", "rollout.max_head_offpolicyness=1",
-        "server.model_path=${model_path}", "server.dtype=float32", "server.context_length=512",
-        "weight_sync.dtype=float32", "weight_sync.master_address=127.0.0.1", "reward.num_workers=1",
-        f"trainer.total_steps={steps}", "trainer.batch_size=2", f"trainer.log_dir={tmp_path / 'runs'}",
-        "trainer.mode=async", "trainer.dump_to_file=true", "trainer.progress=false",
-        "ppo.use_decoupled_loss=true", "ppo.behav_imp_weight_cap=5.0",
-        "ppo.reward_bias=-0.5", "ppo.reward_scaling=10.0",
-    ]
+    overrides = _overrides(
+        assets, tmp_path, "async", "actor.optimizer.lr=1e-3", "rollout.max_new_tokens=16", "rollout.n_samples=4",
+        "rollout.max_head_offpolicyness=1", "server.context_length=512", f"trainer.total_steps={steps}",
+        "trainer.mode=async", "trainer.dump_to_file=true", "ppo.use_decoupled_loss=true",
+        "ppo.behav_imp_weight_cap=5.0", "ppo.reward_bias=-0.5", "ppo.reward_scaling=10.0")
     (rows,) = run_gloo(_ppo_worker, 1, overrides)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
@@ -132,15 +130,8 @@ def test_async_ppo_run_trains_on_samples_at_most_max_head_offpolicyness_old(tmp_
 def test_a_stop_file_checkpoints_and_exits_and_the_next_run_goes_on(tmp_path):
     assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=16, n_test=4,
                                                 hidden_size=32, intermediate_size=64, num_layers=1))
-    overrides = [
-        "experiment_name=stop", f"model_path={assets['model']}", "actor.vocab_divisible_by=8",
-        "actor.optimizer.lr=1e-4",
-        "actor.mb_spec.max_tokens_per_mb=512", f"dataset.path={assets['train']}",
-        "rollout.max_new_tokens=8", "rollout.n_samples=2", "server.model_path=${model_path}",
-        "server.dtype=float32", "server.context_length=256", "weight_sync.dtype=float32",
-        "weight_sync.master_address=127.0.0.1", "reward.num_workers=1", "trainer.total_steps=3",
-        "trainer.batch_size=2", f"trainer.log_dir={tmp_path / 'runs'}", "trainer.progress=false",
-    ]
+    overrides = _overrides(assets, tmp_path, "stop", "actor.optimizer.lr=1e-4", "rollout.max_new_tokens=8",
+                           "rollout.n_samples=2", "server.context_length=256", "trainer.total_steps=3")
     run_dir = tmp_path / "runs" / "stop"
     run_dir.mkdir(parents=True)
     (run_dir / "STOP").touch()  # e.g. the Slurm launcher on its time-limit signal
