@@ -182,7 +182,7 @@ def add_eval_parsers(sub) -> None:
                     "with boba's long-context settings, or running at --server-url), score them with "
                     "the boba reward and report pass@1 (averaged over samples) and unbiased pass@k "
                     "per dataset, as a table and as JSON (--out).",
-        epilog="example: areal-mcore eval --config configs/tiny_cpu.yaml --model runs/tiny-cpu/hf/step_250 "
+        epilog="example: areal-mcore eval --config configs/tiny_cpu.yaml --model runs/tiny-cpu/hf/step_300 "
                "--data runs/tiny-cpu/assets/test.jsonl --model-kind rl --n-samples 8 --out eval.json")
     p.add_argument("--config", help="YAML under configs/ whose model_path, tokenizer_path, server, reward, "
                                     "seed, rollout.max_new_tokens and eval_dataset are the defaults")
