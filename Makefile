@@ -8,7 +8,7 @@ VENV_FLAGS ?=
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps test lint run bench clean slurm-up slurm-down
+.PHONY: install sysdeps sglang-wheels test lint run bench clean slurm-up slurm-down
 
 install: $(STAMP)
 
@@ -25,6 +25,17 @@ sysdeps: slurm-up
 	command -v shellcheck >/dev/null || apt-get install -y -qq shellcheck >/dev/null \
 	  || { apt-get update -qq && apt-get install -y -qq shellcheck >/dev/null; }
 
+# SGLang's own code for the contract tests (tests/_sglang.py loads it from the wheels; it
+# is never installed or imported as a package). Downloaded once per machine.
+SGLANG_WHEELS ?= $(HOME)/.cache/areal-mcore/sglang
+SGLANG_VERSIONS := 0.5.23 0.5.20
+sglang-wheels: install
+	@mkdir -p $(SGLANG_WHEELS)
+	@for v in $(SGLANG_VERSIONS); do \
+	  ls $(SGLANG_WHEELS)/sglang-$$v-*.whl >/dev/null 2>&1 || \
+	  $(PY) -m pip download --quiet --no-deps --dest $(SGLANG_WHEELS) sglang==$$v || exit 1; \
+	done
+
 slurm-up:
 	bash scripts/slurm_local_up.sh
 
@@ -32,8 +43,8 @@ slurm-down:
 	bash scripts/slurm_local_down.sh
 
 # AREAL_REQUIRE_SYSDEPS: Slurm/shellcheck tests fail instead of skipping when missing.
-test: install sysdeps
-	AREAL_REQUIRE_SYSDEPS=1 $(PY) -m pytest $(PYTEST_ARGS)
+test: install sysdeps sglang-wheels
+	AREAL_REQUIRE_SYSDEPS=1 SGLANG_WHEELS=$(SGLANG_WHEELS) $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -34,7 +34,8 @@ EXTRAS_REQUIRE = {
     "gpu": ["transformer-engine[pytorch]", "sglang", "nvidia-ml-py"],
     # triton: the kernels' tests run it on CPU through its interpreter (3.9 is tested;
     # GPU installs get it with CUDA torch anyway).
-    "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff", "triton"],
+    # msgspec + pydantic: the contract tests run SGLang's own request structs (tests/_sglang.py).
+    "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff", "triton", "msgspec", "pydantic"],
 }
 
 setup(

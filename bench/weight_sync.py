@@ -27,7 +27,8 @@ import torch.multiprocessing as mp
 
 from areal_mcore.rollout.client import ClientConfig, RolloutClient
 from areal_mcore.rollout.launcher import ServerConfig, free_port, launch_servers
-from areal_mcore.rollout.weights import broadcast, init_weight_group
+from areal_mcore.rollout.server import join_group
+from areal_mcore.weight_sync.group import init_update_group
 from areal_mcore.weight_sync.projection import GPU_LINK, LinkModel, predict_sync_s, projection_table
 from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncer
 
@@ -47,14 +48,14 @@ def hf_config(small: bool):
 
 def _receiver(rank, port, numel, n_small, world):
     os.environ["OMP_NUM_THREADS"] = "1"
-    group = init_weight_group(master_address="127.0.0.1", master_port=port, rank=rank + 1,
-                              world_size=world, group_name="raw", backend="gloo")
+    group = join_group(master_address="127.0.0.1", master_port=port, rank=rank + 1,
+                       world_size=world, group_name="raw", backend="gloo")
     small = torch.empty(1, dtype=torch.bfloat16)
     for _ in range(n_small):
-        broadcast(group, small)
+        group.broadcast(small, 0).wait()
     big = torch.empty(numel, dtype=torch.bfloat16)
     for _ in range(3):
-        broadcast(group, big)
+        group.broadcast(big, 0).wait()
 
 
 def raw_broadcast(nbytes: int, receivers: int, n_small: int = 200) -> tuple[float, float]:
@@ -65,18 +66,18 @@ def raw_broadcast(nbytes: int, receivers: int, n_small: int = 200) -> tuple[floa
              for r in range(receivers)]
     for p in procs:
         p.start()
-    group = init_weight_group(master_address="127.0.0.1", master_port=port, rank=0,
+    group = init_update_group(master_address="127.0.0.1", master_port=port,
                               world_size=receivers + 1, group_name="raw", backend="gloo")
     small = torch.zeros(1, dtype=torch.bfloat16)
     t = time.perf_counter()
     for _ in range(n_small):
-        broadcast(group, small)
+        group.broadcast(small, 0).wait()
     alpha = (time.perf_counter() - t) / n_small
     big = torch.ones(numel, dtype=torch.bfloat16)
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        broadcast(group, big)
+        group.broadcast(big, 0).wait()
         best = min(best, time.perf_counter() - t)
     for p in procs:
         p.join()

@@ -110,4 +110,7 @@ def test_timeouts_and_5xx_fail_over_and_the_slow_server_is_told_to_abort():
     assert c.output_ids == [1] and c.attempts == 2 and c.rid == "r1"
     assert [b for b, what, _ in log if what == "generate"] == ["slow", "broken", "fine"]
     assert [b for b, what, _ in log if what == "abort"] == ["slow"]
-    assert {rid for _, _, rid in log} == {"r1"}
+    # A fresh wire rid per attempt: a retry can never be refused as a "Duplicate request
+    # ID" of its own earlier attempt, and the abort names the attempt it cancels.
+    assert [rid for _, what, rid in log if what == "generate"] == ["r1.0", "r1.1", "r1.2"]
+    assert [rid for _, what, rid in log if what == "abort"] == ["r1.0"]

@@ -12,9 +12,9 @@ import torch
 from _rollout import embedded_servers, http, tiny_hf_dir
 
 from areal_mcore.convert.hf_files import load_hf_state_dict
-from areal_mcore.rollout import weights as W
 from areal_mcore.rollout.launcher import ServerConfig, free_port
 from areal_mcore.rollout.server import parse_args
+from areal_mcore.weight_sync.group import destroy_update_group, init_update_group
 
 KEY = "s3cret"
 
@@ -93,19 +93,37 @@ def test_weight_update_over_gloo_is_bitwise_and_bumps_the_version(server, model_
     t, box = _in_thread(_call, server, "POST", "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
         "group_name": "wu", "backend": "gloo"})
-    group = W.init_weight_group(master_address="127.0.0.1", master_port=port, rank=0,
-                                world_size=2, group_name="wu", backend="gloo", timeout_s=60)
+    group = init_update_group(master_address="127.0.0.1", master_port=port, world_size=2,
+                              group_name="wu", backend="gloo", timeout_s=60)
     t.join()
     assert box["out"][0] == 200, box
 
     names = sorted(new)
-    t, box = _in_thread(_call, server, "POST", "/update_weights_from_distributed", {
-        "names": names, "dtypes": ["float32"] * len(names), "shapes": [list(new[n].shape) for n in names],
-        "group_name": "wu", "flush_cache": True, "weight_version": "1"})
+    body = {"names": names, "dtypes": ["float32"] * len(names),
+            "shapes": [list(new[n].shape) for n in names], "group_name": "wu",
+            "flush_cache": True, "weight_version": "1"}
+    status, out = _call(server, "POST", "/update_weights_from_distributed", body)
+    assert status == 400 and "between begin_weight_update() and end_weight_update()" in out["message"]
+    assert _call(server, "POST", "/begin_weight_update", {})[0] == 200
+    status, out = _call(server, "POST", "/begin_weight_update", {})  # one session at a time
+    assert status == 400 and "already open" in out["message"]
+    t, box = _in_thread(_call, server, "POST", "/update_weights_from_distributed", body)
     for n in names:
-        W.broadcast(group, new[n].clone(), src=0)
+        group.broadcast(new[n].clone(), 0).wait()
     t.join()
-    assert box["out"] == (200, {"success": True, "message": f"Succeeded to update {len(names)} parameters."})
+    assert box["out"] == (200, {"success": True, "message": "Succeeded to update parameter online."})
+
+    # As in SGLang, a bad name is received (the broadcast must complete on every rank),
+    # then refused without loading anything or changing the version.
+    t, box = _in_thread(_call, server, "POST", "/update_weights_from_distributed", {
+        "names": ["model.nope.weight"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "wu",
+        "weight_version": "2"})
+    group.broadcast(torch.zeros(2), 0).wait()
+    t.join()
+    status, out = box["out"]
+    assert status == 400 and "unknown weight 'model.nope.weight'" in out["message"]
+    assert _call(server, "POST", "/end_weight_update", {})[0] == 200
+    assert _call(server, "POST", "/end_weight_update", {})[0] == 400  # no session open
 
     for n in names:
         status, rows = _call(server, "POST", "/get_weights_by_name",
@@ -115,13 +133,17 @@ def test_weight_update_over_gloo_is_bitwise_and_bumps_the_version(server, model_
     status, out = _generate(server, 12)
     assert out["meta_info"]["weight_version"] == "1"
     assert out["output_ids"] == _reference_greedy(model_dir, new, [5, 6, 7, 8], 12)
+    # Destroyed, the name is free again (torch refuses a name it still holds).
+    assert _call(server, "POST", "/destroy_weights_update_group", {"group_name": "wu"})[0] == 200
+    assert _call(server, "POST", "/destroy_weights_update_group", {"group_name": "wu"})[0] == 400
+    destroy_update_group(group)
 
-    # A bad name is refused before anything is received or loaded.
-    status, out = _call(server, "POST", "/update_weights_from_distributed", {
-        "names": ["model.nope.weight"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "wu",
-        "weight_version": "2"})
-    assert status == 400 and "unknown weight 'model.nope.weight'" in out["message"]
-    assert _call(server, "GET", "/model_info")[1]["weight_version"] == "1"
+
+def test_min_new_tokens_is_refused_without_a_tokenizer_as_sglang_does(server):
+    status, out = _call(server, "POST", "/generate", {
+        "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 2}})
+    assert status == 400 and "min_new_tokens=2 is unavailable when skip_tokenizer_init=True" \
+        in out["message"]
 
 
 def test_update_weights_from_disk_loads_by_name(server, model_dir, tmp_path):

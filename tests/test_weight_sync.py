@@ -5,6 +5,7 @@ mid-update."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -173,3 +174,104 @@ def test_server_killed_mid_update_is_reported_and_the_survivor_stays_paused(tmp_
         info = http(survivor.address, "GET", "/server_info")[1]
         assert info["internal_states"][0]["paused"] is True  # not serving
         assert info["weight_version"] == "default"  # the new version never arrived
+
+
+# ---- SGLang's session and group rules (the embedded server enforces them) --------------
+
+def _push_twice_worker(rank, world, addresses):
+    """A push that fails mid-bucket on one server, then the next push."""
+    from _actor_setup import tiny_actor
+
+    from areal_mcore.weight_sync.syncer import WeightSyncer
+
+    actor = tiny_actor()
+    cfg = WeightSyncConfig(bucket_mb=0.02, dtype="float32", flatten=True,
+                           master_address="127.0.0.1", timeout_s=60)
+    syncer = WeightSyncer(cfg, actor, addresses)
+
+    async def go():
+        await syncer.connect()
+        try:
+            await syncer.push(1)
+            first = None
+        except WeightSyncError as e:
+            first = (str(e), e.failed_servers)
+        stats = await syncer.push(2)
+        await syncer.close()
+        return first, stats
+    first, stats = asyncio.run(go())
+    return first, stats, {k: v.clone() for k, v in actor.hf_state_dict().items()}
+
+
+def _log_lines(server, what: str) -> list[str]:
+    with open(server.log_path) as f:
+        return [line.split(what, 1)[1].split()[0] for line in f if what in line]
+
+
+def test_a_push_failed_mid_bucket_closes_the_session_and_the_next_push_succeeds(tmp_path):
+    model = tiny_hf_dir(str(tmp_path), seed=21)
+    with contextlib.ExitStack() as stack:
+        good = stack.enter_context(embedded_servers(model, str(tmp_path / "a"), n=1))[0]
+        # The second bucket is received, then refused, as a failed load is in SGLang.
+        bad = stack.enter_context(embedded_servers(model, str(tmp_path / "b"), n=1,
+                                                   extra_args=["--fail-update", "2"]))[0]
+        [(first, stats, hf)] = run_gloo(_push_twice_worker, 1, [good.address, bad.address])
+        assert first is not None and bad.address in first[1] and "injected fault" in first[0]
+        assert not stats.failures and stats.buckets > 1
+        _check_servers_equal([good, bad], hf, 2)
+        for s in (good, bad):
+            with open(s.log_path) as f:
+                events = [("open" if "session opened" in line else "close") for line in f
+                          if "weight-update session" in line]
+            # begin never twice without an end in between; every session closed
+            assert events == ["open", "close"] * 2, (s.address, events)
+            groups = _log_lines(s, "joined weight-update group ")
+            assert len(groups) == 2 and len(set(groups)) == 2  # re-formed, never reused
+
+
+def _stale_session_worker(rank, world, addresses):
+    """A trainer that dies between begin_weight_update and end_weight_update."""
+    from areal_mcore.rollout.client import ClientConfig, RolloutClient
+
+    async def go():
+        async with RolloutClient(ClientConfig(addresses=addresses)) as client:
+            await client.pause(mode="abort")
+            await client.begin_weight_update()
+    asyncio.run(go())
+
+
+def test_a_trainer_restarted_against_surviving_servers_syncs(servers):
+    addresses = [s.address for s in servers]
+    run_gloo(_stale_session_worker, 1, addresses)
+    status, out = http(addresses[0], "POST", "/begin_weight_update", {})
+    assert status == 400 and "already open" in out["message"]  # what the new trainer meets
+    results = run_gloo(_sync_worker, 1, 1, 1, addresses, 7, 1024, True)
+    _check_servers_equal(servers, results[0]["hf"], 7)
+
+
+def test_stage_groups_form_one_stage_at_a_time_whatever_the_arrival_order(tmp_path):
+    """Each server serves init calls one at a time, each blocking until its group forms
+    (as SGLang does). Server A gets stage 1's call first and server B stage 0's: had the
+    stages initialised concurrently, A and B would wait on each other for ever."""
+    model = tiny_hf_dir(str(tmp_path), seed=21)
+    with contextlib.ExitStack() as stack:
+        a = stack.enter_context(embedded_servers(model, str(tmp_path / "a"), n=1, extra_args=[
+            "--delay-group-init", "_pp0_=1.5"]))[0]
+        b = stack.enter_context(embedded_servers(model, str(tmp_path / "b"), n=1, extra_args=[
+            "--delay-group-init", "_pp1_=1.5"]))[0]
+        results = run_gloo(_sync_worker, 2, 1, 2, [a.address, b.address], 12, 1024, True)
+        hf = {k: v for r in results for k, v in r["hf"].items()}
+        _check_servers_equal([a, b], hf, 12)
+        assert [g.split("_pp")[1][0] for g in _log_lines(a, "joined weight-update group ")] \
+            == ["0", "1"]  # stage 0 first despite the delay
+
+
+def test_full_sync_against_the_old_api_server(tmp_path):
+    """SGLang 0.5.20's routes (no update sessions, /get_weight_version a 404): the sync
+    runs without begin/end and the version is read from /model_info."""
+    model = tiny_hf_dir(str(tmp_path), seed=21)
+    with embedded_servers(model, str(tmp_path / "logs"), n=1,
+                          extra_args=["--sglang-api", "0.5.20"]) as old:
+        results = run_gloo(_sync_worker, 1, 1, 1, [old[0].address], 9, 0.02, True)
+        _check_servers_equal(old, results[0]["hf"], 9)
+        assert not results[0]["stats"].failures

@@ -4,13 +4,17 @@
 on connection errors, timeouts and 5xx, keeping the request id: each call returns exactly
 one completion. A completion aborted by ``pause_generation`` or a weight update is
 resubmitted with what it has generated so far (the server holds it until
-``continue_generation``), and each token remembers the weight version that produced it.
+``continue_generation``), and each token remembers the weight version that produced it
+(SGLang's ``meta_info.weight_versions`` spans where the server reports them). Every HTTP
+attempt carries a fresh wire rid (``<rid>.<attempt>``): a retried request never collides
+with its own earlier attempt whose abort has not finished ("Duplicate request ID").
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -65,10 +69,13 @@ class _Server:
     healthy: bool = True
     version: tuple[int, ...] = ()
     tp_size: int = 1
+    dp_size: int = 1
+    pp_size: int = 1
 
     @property
     def old_api(self) -> bool:
-        return bool(self.version) and self.version <= LAST_OLD_API
+        # (0, 0, 0) is an SGLang built from source without metadata ("0.0.0.dev0"): new.
+        return (0, 0, 0) < self.version <= LAST_OLD_API
 
 
 class _Retryable(Exception):
@@ -82,6 +89,8 @@ class RolloutClient:
         self.cfg = cfg
         self.servers = [_Server(a) for a in cfg.addresses]
         self._cancelled: set[str] = set()
+        self._wire: dict[str, tuple[_Server, str]] = {}  # rid -> (server, wire rid) in flight
+        self._background: set[asyncio.Task] = set()
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> RolloutClient:
@@ -98,19 +107,24 @@ class RolloutClient:
         await asyncio.gather(*[self._detect(s) for s in self.servers])
 
     async def close(self) -> None:
+        for task in list(self._background):  # background aborts of timed-out requests
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     async def _detect(self, s: _Server) -> None:
-        """SGLang <= 0.5.20 names the info route /get_server_info and has no begin/end."""
+        """Version and parallel sizes from /server_info (SGLang 0.5.10-0.5.23 all serve it;
+        /get_server_info is its deprecated alias)."""
         for path in ("/server_info", "/get_server_info"):
             try:
                 info = await self._request(s, "GET", path, timeout=30)
             except RolloutError:
                 continue
             s.version = parse_version(str(info.get("version", "")))
-            s.tp_size = int(info.get("tp_size", 1))
+            s.tp_size, s.dp_size, s.pp_size = (int(info.get(k) or 1)
+                                               for k in ("tp_size", "dp_size", "pp_size"))
             return
         raise RolloutError(f"{s.address}: neither /server_info nor /get_server_info answered")
 
@@ -120,15 +134,20 @@ class RolloutClient:
         """One completion of ``input_ids``; see the module docstring for the guarantees."""
         c = Completion(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids))
         failed: set[str] = set()
-        while True:
+        for wire in itertools.count():
+            if c.rid in self._cancelled:  # cancelled between two attempts
+                self._cancelled.discard(c.rid)
+                c.finish_reason = {"type": "abort", "message": "cancelled by the client"}
+                return c
             remaining = sampling.max_new_tokens - len(c.output_ids)
             params = dataclasses.replace(
                 sampling, max_new_tokens=remaining,
                 min_new_tokens=max(0, sampling.min_new_tokens - len(c.output_ids)))
             body = {"input_ids": c.input_ids + c.output_ids, "sampling_params": params.to_json(),
-                    "return_logprob": True, "rid": c.rid}
+                    "return_logprob": True, "rid": f"{c.rid}.{wire}"}
             server = await self._choose(failed)
             server.in_flight += 1
+            self._wire[c.rid] = (server, body["rid"])
             try:
                 out = await self._request(server, "POST", "/generate", body,
                                           timeout=self.cfg.request_timeout_s, retryable=True)
@@ -144,17 +163,19 @@ class RolloutClient:
                 continue
             finally:
                 server.in_flight -= 1
+                self._wire.pop(c.rid, None)
             meta = out["meta_info"]
             chunk = out["output_ids"]
             c.output_ids += chunk
             c.logprobs += [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
-            c.versions += [str(meta.get("weight_version"))] * len(chunk)
+            c.versions += token_versions(meta, len(chunk))
             c.finish_reason = meta["finish_reason"]
             if (c.finish_reason["type"] == "abort" and c.rid not in self._cancelled
                     and len(chunk) < remaining):
                 continue  # aborted by a pause or a weight update: resume where it stopped
             self._cancelled.discard(c.rid)
             return c
+        raise AssertionError("unreachable")
 
     async def _choose(self, failed: set[str]) -> _Server:
         """The healthy server with the fewest requests in flight, preferring untried ones."""
@@ -194,8 +215,11 @@ class RolloutClient:
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
             s.healthy = isinstance(e, asyncio.TimeoutError)  # a timeout is slow, not dead
             if isinstance(e, asyncio.TimeoutError) and path == "/generate" and body:
-                # The server may still be generating it; free its slot there.
-                asyncio.ensure_future(self._abort_on(s, body["rid"]))
+                # The server may still be generating it; free its slot there (the retry
+                # goes out under a new wire rid, so it cannot collide with this one).
+                task = asyncio.ensure_future(self._abort_on(s, body["rid"]))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             if retryable:
                 raise _Retryable(f"{type(e).__name__}: {e}") from None
             raise RolloutError(f"{s.address}{path}: {type(e).__name__}: {e}") from None
@@ -224,9 +248,11 @@ class RolloutClient:
         return list(out)
 
     async def abort(self, rid: str) -> None:
-        """Cancels one request everywhere; ``generate`` then returns it as aborted."""
+        """Cancels one request; ``generate`` then returns it as aborted."""
         self._cancelled.add(rid)
-        await self._all("POST", "/abort_request", {"rid": rid})
+        if rid in self._wire:
+            server, wire = self._wire[rid]
+            await self._all("POST", "/abort_request", {"rid": wire}, servers=[server])
 
     async def abort_all(self) -> None:
         await self._all("POST", "/abort_request", {"abort_all": True})
@@ -241,14 +267,26 @@ class RolloutClient:
         await self._all("POST", "/flush_cache")
 
     async def weight_versions(self) -> list[str]:
-        async def one(s: _Server) -> str:
-            path = "/get_weight_version" if s.old_api else "/model_info"
-            return str((await self._request(s, "GET", path, timeout=30))["weight_version"])
-        return list(await asyncio.gather(*[one(s) for s in self.servers]))
+        """Every server's version, from /model_info (on every SGLang version)."""
+        infos = await self._all("GET", "/model_info", timeout=30)
+        return [str(info["weight_version"]) for info in infos]
 
     def weight_group_world_size(self) -> int:
         """Trainer rank 0 plus every server's TP ranks."""
         return 1 + sum(s.tp_size for s in self.servers)
+
+    def check_distributed_updates(self) -> None:
+        """SGLang's ``update_weights_from_distributed`` asserts ``dp_size == 1`` and joins
+        TP rank r as ``rank_offset + r``: PP stages would take the same ranks."""
+        bad = [f"{s.address} (dp_size={s.dp_size}, pp_size={s.pp_size})"
+               for s in self.servers if s.dp_size != 1 or s.pp_size != 1]
+        if bad:
+            raise RolloutError(
+                "SGLang cannot receive update_weights_from_distributed on servers with "
+                f"dp_size or pp_size > 1: {', '.join(bad)}; launch one server per data-parallel "
+                "replica (rollout.server.n_servers) with tp_size only, or use "
+                "weight_sync.mode=disk", [s.address for s in self.servers if s.dp_size != 1
+                                          or s.pp_size != 1])
 
     async def init_weights_update_group(self, *, master_address: str, master_port: int,
                                         group_name: str, backend: str) -> None:
@@ -270,9 +308,16 @@ class RolloutClient:
         await self._all("POST", "/begin_weight_update", {},
                         servers=[s for s in self.servers if not s.old_api])
 
-    async def end_weight_update(self) -> None:
-        await self._all("POST", "/end_weight_update", {},
-                        servers=[s for s in self.servers if not s.old_api])
+    async def end_weight_update(self, *, best_effort: bool = False) -> None:
+        """Closes the update session. ``best_effort``: on every server, ignoring refusals
+        (a server without an open session says so), to leave no session open after a
+        failure or one left by a trainer that died mid-update."""
+        servers = [s for s in self.servers if not s.old_api]
+        if not best_effort:
+            await self._all("POST", "/end_weight_update", {}, servers=servers)
+            return
+        await asyncio.gather(*[self._request(s, "POST", "/end_weight_update", {}, timeout=60)
+                               for s in servers], return_exceptions=True)
 
     async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str,
@@ -290,3 +335,15 @@ class RolloutClient:
                                        weight_version: str | None = None) -> None:
         await self._all("POST", "/update_weights_from_disk",
                         {"model_path": model_path, "weight_version": weight_version})
+
+
+def token_versions(meta: dict, n: int) -> list[str]:
+    """The weight version of each of a response's ``n`` output tokens: SGLang's
+    ``weight_versions`` spans when present, else the response's ``weight_version``."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [str(meta.get("weight_version"))] * n
+    out: list[str] = []
+    for span in spans:
+        out += [str(span["version"])] * (min(span["end"], n) - span["start"])
+    return out + [str(spans[-1]["version"])] * (n - len(out))

@@ -8,6 +8,12 @@ batch's length and concatenated along the batch, and an attention mask hides the
 Finished requests leave by index-select, and cache columns that became padding in every
 row are trimmed. Control work (weight loads, flush checks) runs on the same thread
 between steps, so it never interleaves with a forward pass.
+
+Pausing follows SGLang's three modes (``PauseGenerationReqInput``): ``abort`` answers every
+request as aborted and holds new ones; ``retract`` sends running requests back to the
+waiting queue without their KV cache (recomputed from prompt + output on resume);
+``in_place`` keeps them and their cache and just stops stepping. Each request records the
+weight version changes it lives through, reported as SGLang's ``weight_versions`` spans.
 """
 
 from __future__ import annotations
@@ -22,7 +28,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from areal_mcore.rollout.protocol import SamplingParams, finish_abort, finish_length, finish_stop
+from areal_mcore.rollout.protocol import (
+    PAUSE_MODES,
+    SamplingParams,
+    finish_abort,
+    finish_length,
+    finish_stop,
+)
 
 
 @dataclass(eq=False)
@@ -37,6 +49,29 @@ class Request:
     finish_reason: dict | None = None
     weight_version: str = ""
     abort_message: str | None = None
+    # (old version, output tokens so far) at each weight change, as SGLang records them
+    version_events: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def context_ids(self) -> list[int]:
+        """What a (re-)prefill runs over: a retracted request resumes where it stopped."""
+        return self.input_ids + self.output_ids
+
+    def weight_versions(self) -> list[dict]:
+        """SGLang's ``meta_info.weight_versions``: contiguous spans of output tokens, each
+        with the version that produced it (``utils/weight_versions.py``)."""
+        spans: list[dict] = []
+        n = len(self.output_ids)
+        for version, end in [*self.version_events, (self.weight_version, n)]:
+            end = min(end, n)
+            if spans and end <= spans[-1]["end"]:
+                continue
+            if spans and spans[-1]["version"] == version:
+                spans[-1]["end"] = end
+            else:
+                spans.append({"version": version, "start": spans[-1]["end"] if spans else 0,
+                              "end": end})
+        return spans
 
 
 class DecodeEngine:
@@ -60,6 +95,9 @@ class DecodeEngine:
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
+        # Taken from the queue and being prefilled: an abort must reach these too, or a
+        # pause(abort) racing a prefill leaves a request running (and flush_cache refused).
+        self._joining: list[Request] = []
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._mask_BL: torch.Tensor | None = None
@@ -73,8 +111,9 @@ class DecodeEngine:
             raise ValueError(f"prompt has {len(req.input_ids)} tokens; context_length is "
                              f"{self.context_length}")
         with self._cond:
-            if any(r.rid == req.rid for r in (*self._running, *self._waiting)):
-                raise ValueError(f"rid {req.rid!r} is already running")
+            if any(r.rid == req.rid for r in self._live()):
+                # SGLang's tokenizer manager refuses a rid it is still serving.
+                raise ValueError(f"Duplicate request ID: {req.rid!r} is already running")
             seed = req.params.sampling_seed
             if seed is None:  # per-server seed + arrival order: reproducible for one client
                 seed = self.seed * 1_000_003 + self._seeded
@@ -90,24 +129,30 @@ class DecodeEngine:
               message: str = "Abort requested") -> int:
         """Marks requests aborted; they finish with their partial output. Returns the count."""
         with self._cond:
-            hits = [r for r in (*self._running, *self._waiting) if abort_all or r.rid == rid]
+            hits = [r for r in self._live() if abort_all or r.rid == rid]
             for r in hits:
                 r.abort_message = message
             self._cond.notify()
         return len(hits)
 
     def pause(self, mode: str) -> None:
-        """``abort``: abort everything, then hold new requests; ``in_place``/``retract``: keep
-        running requests and their KV cache, stop stepping (CPU has no KV memory to free,
-        so retract behaves like in_place)."""
-        if mode not in ("abort", "in_place", "retract"):
-            raise ValueError(f"pause_generation mode must be abort, in_place or retract, got {mode!r}")
+        """Stops stepping in one of SGLang's modes (see the module docstring); returns at a
+        step boundary, with aborted requests answered."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         with self._cond:
             self.paused = True
         if mode == "abort":
             self.abort(abort_all=True, message="Aborted by pause_generation")
-        # Returns at a step boundary: no step runs after this (aborted requests answered).
-        self.call(lambda: None).result()
+        self.call(self._retract if mode == "retract" else (lambda: None)).result()
+
+    def set_weight_version(self, version: str) -> None:
+        """On the engine thread (inside ``call``): live requests remember the change."""
+        with self._cond:
+            for r in self._live():
+                if r.output_ids:
+                    r.version_events.append((self.weight_version, len(r.output_ids)))
+            self.weight_version = version
 
     def resume(self) -> None:
         with self._cond:
@@ -132,7 +177,17 @@ class DecodeEngine:
         """Requests hold KV cache or are about to; requests held by a pause do not count
         (SGLang holds those before the scheduler, so a flush may run)."""
         with self._cond:
-            return bool(self._running) or (bool(self._waiting) and not self.paused)
+            return bool(self._running or self._joining) or (bool(self._waiting) and not self.paused)
+
+    def _live(self):  # holds the lock
+        return (*self._running, *self._joining, *self._waiting)
+
+    def _retract(self) -> None:
+        """Running requests go back to the front of the queue; their KV cache is dropped."""
+        with self._cond:
+            self._waiting.extendleft(reversed(self._running))
+            self._running = []
+            self._kv = self._mask_BL = None
 
     def close(self) -> None:
         with self._cond:
@@ -152,7 +207,7 @@ class DecodeEngine:
                 calls = list(self._calls)
                 self._calls.clear()
                 self._finish_aborted()
-                joining = []
+                joining = self._joining = []
                 while (not self.paused and self._waiting
                        and len(self._running) + len(joining) < self.max_running_requests):
                     joining.append(self._waiting.popleft())
@@ -168,7 +223,7 @@ class DecodeEngine:
                     self._decode_step()
 
     def _has_aborts(self) -> bool:
-        return any(r.abort_message for r in (*self._running, *self._waiting))
+        return any(r.abort_message for r in self._live())
 
     def _finish_aborted(self) -> None:  # holds the lock
         for r in [r for r in self._waiting if r.abort_message]:
@@ -180,12 +235,13 @@ class DecodeEngine:
         self._drop(gone)
 
     def _prefill(self, joining: list[Request]) -> None:
-        n, length = len(joining), max(len(r.input_ids) for r in joining)
+        n, length = len(joining), max(len(r.context_ids) for r in joining)
         ids_NL = torch.zeros(n, length, dtype=torch.long)
         mask_NL = torch.zeros(n, length, dtype=torch.long)
         for i, r in enumerate(joining):  # left padding keeps every row's last token at -1
-            ids_NL[i, length - len(r.input_ids):] = torch.tensor(r.input_ids)
-            mask_NL[i, length - len(r.input_ids):] = 1
+            ctx = r.context_ids
+            ids_NL[i, length - len(ctx):] = torch.tensor(ctx)
+            mask_NL[i, length - len(ctx):] = 1
         logits_NV, kv = self._forward(ids_NL, mask_NL, None)
         if self._kv is None:
             self._kv, self._mask_BL = kv, mask_NL
@@ -199,6 +255,7 @@ class DecodeEngine:
                                        _left_pad(mask_NL, width, dim=1)])
         with self._cond:
             self._running.extend(joining)
+            self._joining = []
         self._sample_and_finish(logits_NV, first_row=len(self._running) - n)
 
     def _decode_step(self) -> None:
@@ -228,7 +285,7 @@ class DecodeEngine:
         for j in range(logits_BV.shape[0]):
             i = first_row + j
             r = self._running[i]
-            token, logprob = _sample(logits_BV[j], r, self.eos_token_ids)
+            token, logprob = _sample(logits_BV[j], r)
             r.output_ids.append(token)
             r.logprobs.append(logprob)
             self.generated_tokens += 1
@@ -243,7 +300,7 @@ class DecodeEngine:
     def _finish_reason(self, r: Request, token: int) -> dict | None:
         p = r.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        if token in stops and len(r.output_ids) >= p.min_new_tokens:
+        if token in stops:
             return finish_stop(token)
         if len(r.output_ids) >= p.max_new_tokens:
             return finish_length(len(r.output_ids))
@@ -273,16 +330,11 @@ class DecodeEngine:
                     for k, v in self._kv]
 
 
-def _sample(logits_V: torch.Tensor, r: Request, eos_token_ids: list[int]) -> tuple[int, float]:
+def _sample(logits_V: torch.Tensor, r: Request) -> tuple[int, float]:
     """One token for one request. The returned logprob is the sampled token's under the
     temperature-scaled distribution before top-k/top-p truncation (SGLang's default);
     greedy (temperature 0) reports the unscaled log-softmax."""
     p = r.params
-    if len(r.output_ids) < p.min_new_tokens:
-        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-        if banned:
-            logits_V = logits_V.clone()
-            logits_V[list(banned)] = float("-inf")
     if p.temperature == 0 or p.top_k == 1:
         logp_V = F.log_softmax(logits_V, dim=-1)
         token = int(torch.argmax(logits_V))

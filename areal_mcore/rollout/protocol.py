@@ -8,9 +8,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 SGLANG_API_VERSION = "0.5.23"
-# SGLang <= 0.5.20 (pinned by AReaL/slime) has no begin/end_weight_update and serves the
-# weight version at /get_weight_version instead of /model_info.
+# SGLang <= 0.5.20 (pinned by AReaL/slime) has no begin/end_weight_update. Every version
+# from 0.5.10 on reports ``weight_version`` in /model_info; their /get_weight_version
+# answers 404 ("deprecated ... use /model_info"), so it is never called.
 LAST_OLD_API = (0, 5, 20)
+# PauseGenerationReqInput.mode (SGLang 0.5.10-0.5.23).
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 @dataclass(kw_only=True)
@@ -68,13 +71,21 @@ class SamplingParams:
 
 
 def parse_version(text: str) -> tuple[int, ...]:
-    """'0.5.20.post1' -> (0, 5, 20); unparsable parts stop the tuple."""
+    """The release numbers of a version string: '0.5.20.post1', '0.5.20rc1' and
+    '0.5.20.dev3+g1234' -> (0, 5, 20); a pre-release sorts with its release (0.5.20rc1
+    has 0.5.20's API). Stops at the first part that does not start with a digit."""
     out = []
-    for part in text.split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits or not part[0].isdigit():
+    for part in text.strip().lstrip("vV").split("."):
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
             break
         out.append(int(digits))
+        if len(digits) < len(part):  # '20rc1': the release number ends here
+            break
     return tuple(out)
 
 

@@ -3,18 +3,31 @@ model on CPU, so the whole RL loop runs where SGLang cannot.
 
     python -m areal_mcore.rollout.server --model-path HF_DIR --port 30000
 
-Runs with SGLang's ``skip_tokenizer_init`` semantics: token ids in, token ids out.
+Runs with SGLang's ``skip_tokenizer_init`` semantics: token ids in, token ids out. It
+keeps SGLang's rules, refusals included, so that tests against it fail where SGLang would:
+one weight-update session at a time (``--sglang-api 0.5.23``; 0.5.20 has no sessions and
+no begin/end routes), control calls served one at a time on the engine thread (an
+``init_weights_update_group`` blocks everything until its group forms), the update group
+formed with SGLang's recipe, flattened buckets received as ``uint8``, ``flush_cache``
+refused while requests run, ``min_new_tokens`` refused without a tokenizer.
+
+Fault injection for tests (never set in production): ``--fail-update N`` makes the N-th
+``update_weights_from_distributed`` receive its tensors and then fail, as a failed load
+does in SGLang; ``--delay-group-init SUBSTR=SECONDS`` holds init calls whose group name
+contains SUBSTR before they queue (to force an arrival order between servers).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import logging
 import uuid
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from aiohttp import web
 
 from areal_mcore.convert.hf_files import load_hf_state_dict
@@ -38,18 +51,31 @@ class ServerArgs:
     context_length: int | None = None
     max_running_requests: int = 64
     weight_version: str = "default"
+    sglang_api: str = SGLANG_API_VERSION  # or "0.5.20": the old API (no update sessions)
+    fail_update: int = 0  # fault injection (see the module docstring); 0: off
+    delay_group_init: str | None = None  # fault injection: "SUBSTR=SECONDS"
 
     def __post_init__(self):
         if self.dtype not in W.DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(W.DTYPES)}, got {self.dtype!r}")
+        if self.sglang_api not in API_VERSIONS:
+            raise ValueError(f"--sglang-api must be one of {API_VERSIONS}, got {self.sglang_api!r}")
+
+    @property
+    def sessions(self) -> bool:
+        return self.sglang_api != "0.5.20"
+
+
+API_VERSIONS = (SGLANG_API_VERSION, "0.5.20")
 
 
 class _State:
     def __init__(self, args: ServerArgs, model):
         self.args = args
         self.model = model
-        self.groups: dict[str, object] = {}
-        self.updating = False  # between begin_weight_update and end_weight_update
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.session = False  # between begin_weight_update and end_weight_update
+        self.updates = 0  # update_weights_from_distributed calls so far
         self.recv_buffer = W.ReusableBuffer()
 
 
@@ -96,6 +122,7 @@ def build_app(args: ServerArgs, engine: DecodeEngine, model) -> web.Application:
     for path in ("/model_info", "/get_model_info"):
         r.add_get(path, model_info)
     r.add_get("/server_info", server_info)
+    r.add_get("/get_server_info", server_info)
     r.add_post("/generate", generate)
     r.add_post("/abort_request", abort_request)
     r.add_post("/pause_generation", pause_generation)
@@ -103,8 +130,11 @@ def build_app(args: ServerArgs, engine: DecodeEngine, model) -> web.Application:
     r.add_route("*", "/flush_cache", flush_cache)
     r.add_post("/init_weights_update_group", init_weights_update_group)
     r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
-    r.add_post("/begin_weight_update", begin_weight_update)
-    r.add_post("/end_weight_update", end_weight_update)
+    if args.sessions:
+        r.add_post("/begin_weight_update", begin_weight_update)
+        r.add_post("/end_weight_update", end_weight_update)
+    else:  # 0.5.10-0.5.20 keep the route only to say it is gone
+        r.add_get("/get_weight_version", get_weight_version)
     r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
     r.add_route("*", "/get_weights_by_name", get_weights_by_name)
@@ -125,9 +155,10 @@ async def model_info(request: web.Request) -> web.Response:
 async def server_info(request: web.Request) -> web.Response:
     st, eng = request.app[STATE_KEY], request.app[ENGINE_KEY]
     return web.json_response({
-        "version": SGLANG_API_VERSION, "engine": "areal-mcore-embedded",
+        "version": st.args.sglang_api, "engine": "areal-mcore-embedded",
         "model_path": st.args.model_path, "random_seed": st.args.random_seed,
         "dtype": st.args.dtype, "context_length": eng.context_length, "tp_size": 1,
+        "dp_size": 1, "pp_size": 1,
         "skip_tokenizer_init": True, "max_running_requests": eng.max_running_requests,
         "weight_version": eng.weight_version,
         "internal_states": [{"num_running_reqs": eng.num_running, "paused": eng.paused,
@@ -135,10 +166,16 @@ async def server_info(request: web.Request) -> web.Response:
     })
 
 
+async def get_weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"detail": "Endpoint '/get_weight_version' or '/weight_version' is "
+                              "deprecated. Please use '/model_info' instead."}, status=404)
+
+
 def _meta(req: Request, return_logprob: bool) -> dict:
     meta = {"id": req.rid, "finish_reason": req.finish_reason,
             "prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
-            "cached_tokens": 0, "weight_version": req.weight_version}
+            "cached_tokens": 0, "weight_version": req.weight_version,
+            "weight_versions": req.weight_versions()}
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
     return meta
@@ -154,6 +191,9 @@ async def _run_one(engine: DecodeEngine, rid: str, input_ids, params: SamplingPa
     if not (isinstance(input_ids, list) and input_ids
             and all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids)):
         raise ValueError("input_ids must be a non-empty list of token ids (ints)")
+    if params.min_new_tokens > 0:  # SGLang's raise_if_tokenizer_required, word for word
+        raise ValueError(f"min_new_tokens={params.min_new_tokens} is unavailable when "
+                         "skip_tokenizer_init=True (requires tokenizer for eos_token_id).")
     req = Request(rid=rid, input_ids=input_ids, params=params, on_done=on_done)
     engine.submit(req)
     try:
@@ -210,105 +250,161 @@ async def pause_generation(request: web.Request) -> web.Response:
 
 
 async def continue_generation(request: web.Request) -> web.Response:
-    st = request.app[STATE_KEY]
-    if not st.updating:  # end_weight_update resumes; a continue must not race it
-        request.app[ENGINE_KEY].resume()
+    request.app[ENGINE_KEY].resume()
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
 async def flush_cache(request: web.Request) -> web.Response:
     # No prefix (radix) cache is kept here, but the idle rule is SGLang's: a flush while
-    # requests run or wait is refused, so callers learn the same discipline on CPU.
+    # requests run or wait is refused (so with pause mode in_place it always is).
     if request.app[ENGINE_KEY].busy:
         return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
     return web.Response(status=200, text="Cache flushed.\n")
 
 
+def join_group(*, master_address: str, master_port: int, rank: int, world_size: int,
+               group_name: str, backend: str, timeout_s: float = 600.0) -> dist.ProcessGroup:
+    """Joins the trainer's update group the way SGLang's ``init_custom_process_group``
+    does: a ``tcp://`` rendezvous, ``PrefixStore(group_name)``, then torch's group helper
+    (which prefixes the keys again with the group name and the device)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    init = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(c10d.rendezvous(init, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), dist.PrefixStore(group_name, store),
+        group_name=group_name, backend_options=None, timeout=timeout)
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def _delay(args: ServerArgs, group_name: str) -> float:
+    if not args.delay_group_init:
+        return 0.0
+    substr, _, seconds = args.delay_group_init.partition("=")
+    return float(seconds) if substr in group_name else 0.0
+
+
 async def init_weights_update_group(request: web.Request) -> web.Response:
     body = await _body(request)
-    st = request.app[STATE_KEY]
+    st, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
     try:
         name = body["group_name"]
-        group = await asyncio.to_thread(
-            W.init_weight_group, master_address=body["master_address"],
-            master_port=int(body["master_port"]), rank=int(body.get("rank_offset", 1)),
-            world_size=int(body["world_size"]), group_name=name,
-            backend=body.get("backend", "gloo"))
+        kwargs = dict(master_address=body["master_address"], master_port=int(body["master_port"]),
+                      rank=int(body["rank_offset"]), world_size=int(body["world_size"]),
+                      group_name=name, backend=body.get("backend", "nccl"))
     except KeyError as e:
         return _result(False, f"init_weights_update_group needs {e.args[0]!r}")
+    # Fault injection: held before it queues, so it reaches the engine after later calls.
+    await asyncio.sleep(_delay(st.args, name))
+
+    def join():
+        if name in st.groups:  # torch refuses an existing group name too
+            raise ValueError(f"The specified group name {name!r} has already been created")
+        st.groups[name] = join_group(**kwargs)
+        log.info("joined weight-update group %s as rank %d of %d", name, kwargs["rank"],
+                 kwargs["world_size"])
+
+    # On the engine thread, as SGLang's scheduler does it: one init at a time, in arrival
+    # order, and nothing else (generation included) runs until the group has formed.
+    try:
+        await asyncio.wrap_future(engine.call(join))
     except (ValueError, RuntimeError) as e:
-        return _result(False, f"Failed to init group: {e}")
-    st.groups[name] = group
-    return _result(True, f"Succeeded to init group {name}.")
+        return _result(False, f"Failed to initialize custom process group: {e}.")
+    return _result(True, "Succeeded to initialize custom process group.")
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
     body = await _body(request)
-    group = request.app[STATE_KEY].groups.pop(body.get("group_name", ""), None)
-    return _result(group is not None, "Group destroyed." if group else "No such group.")
+    st, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    group = st.groups.pop(body.get("group_name", "weight_update_group"), None)
+    if group is None:
+        return _result(False, "The group to be destroyed does not exist.")
+    await asyncio.wrap_future(engine.call(lambda: dist.destroy_process_group(group)))
+    return _result(True, "Succeeded to destroy custom process group.")
 
 
 async def begin_weight_update(request: web.Request) -> web.Response:
-    # Generation stops stepping (requests keep their KV cache) until end_weight_update.
-    request.app[STATE_KEY].updating = True
-    await asyncio.to_thread(request.app[ENGINE_KEY].pause, "in_place")
-    return _result(True, "Weight update begun.")
+    st = request.app[STATE_KEY]
+    if st.session:
+        return _result(False, "a weight-update session is already open; call end_weight_update() first")
+    st.session = True
+    log.info("weight-update session opened")
+    return _result(True, "Success")
 
 
 async def end_weight_update(request: web.Request) -> web.Response:
-    request.app[STATE_KEY].updating = False
-    request.app[ENGINE_KEY].resume()
-    return _result(True, "Weight update ended.")
+    st = request.app[STATE_KEY]
+    if not st.session:
+        return _result(False, "no weight-update session is open; call begin_weight_update() first")
+    st.session = False
+    log.info("weight-update session closed")
+    return _result(True, "Success")
+
+
+def _check_update(body: dict, st: _State) -> tuple[list, list, list, dist.ProcessGroup]:
+    names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+    name = body.get("group_name", "weight_update_group")
+    if name not in st.groups:
+        raise ValueError(f"Group {name} not in {list(st.groups)}. Please call "
+                         "`init_weights_update_group` first.")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
+    bad = sorted({d for d in dtypes if d not in W.DTYPES})
+    if bad:
+        raise ValueError(f"dtypes {bad} not in {sorted(W.DTYPES)}")
+    if body.get("load_format") not in (None, "flattened_bucket"):
+        raise ValueError(f"load_format must be null or 'flattened_bucket', got {body['load_format']!r}")
+    return names, dtypes, shapes, st.groups[name]
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
     body = await _body(request)
     st, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    if st.args.sessions and not st.session:
+        return _result(False, "update_weights_from_distributed must run between "
+                              "begin_weight_update() and end_weight_update()")
     try:
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        group = st.groups[body.get("group_name", "weight_update_group")]
-        if not len(names) == len(dtypes) == len(shapes):
-            raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
-        bad = sorted({d for d in dtypes if d not in W.DTYPES})
-        if bad:
-            raise ValueError(f"dtypes {bad} not in {sorted(W.DTYPES)}")
-        flat = body.get("load_format") == "flattened_bucket"
-        if body.get("load_format") not in (None, "flattened_bucket"):
-            raise ValueError(f"load_format must be null or 'flattened_bucket', got {body['load_format']!r}")
-        if flat and len(set(dtypes)) > 1:
-            raise ValueError(f"a flattened bucket holds one dtype, got {sorted(set(dtypes))}")
-        W.check_weights(st.model, names, shapes)
+        names, dtypes, shapes, group = _check_update(body, st)
     except KeyError as e:
-        return _result(False, f"update_weights_from_distributed: missing {e.args[0]!r} "
-                              f"(field, or no group of that name: init_weights_update_group first)")
+        return _result(False, f"update_weights_from_distributed: missing field {e.args[0]!r}")
     except ValueError as e:
         return _result(False, f"update_weights_from_distributed: {e}")
     if body.get("abort_all_requests"):
         engine.abort(abort_all=True, message="Aborted for a weight update")
+    st.updates += 1
+    inject = st.updates == st.args.fail_update
 
-    def receive_and_load():
-        # A bucket is no more atomic than the whole update (which the caller pauses
-        # around), so tensors whose dtype matches land directly in their parameters.
-        if flat and len(set(dtypes)) == 1:  # one broadcast into a reused buffer
-            flat_t, views = st.recv_buffer.views(shapes, W.DTYPES[dtypes[0]])
-            W.broadcast(group, flat_t, src=0)
-            received = list(zip(names, views))
+    def receive_and_load() -> str | None:
+        # Like SGLang: receive first (every rank must take part in the broadcast), then
+        # check and load; a failed check fails the call after the wire.
+        if body.get("load_format") == "flattened_bucket":
+            received = W.receive_flat(group, st.recv_buffer, names, dtypes, shapes)
         else:
-            received = []
-            for name, dtype, shape in zip(names, dtypes, shapes):
-                t = W.receive_target(st.model, name, W.DTYPES[dtype])
-                t = torch.empty(shape, dtype=W.DTYPES[dtype]) if t is None else t
-                W.broadcast(group, t, src=0)
-                received.append((name, t))
+            received = W.receive_each(group, st.model, names, dtypes, shapes)
+        if inject:
+            return "Failed to update weights: injected fault (--fail-update)."
+        try:
+            W.check_weights(st.model, names, shapes)
+        except ValueError as e:
+            return f"Failed to update weights: {e}."
         W.load_weights(st.model, received)
         if body.get("weight_version") is not None:
-            engine.weight_version = str(body["weight_version"])
+            engine.set_weight_version(str(body["weight_version"]))
+        if body.get("flush_cache", True) and engine.busy:  # SGLang's default is to flush
+            return ("Weights were updated, but the cache was not flushed because requests are "
+                    "still running or queued. Retract or finish them, then call /flush_cache.")
+        return None
 
     try:
-        await asyncio.wrap_future(engine.call(receive_and_load))
+        failure = await asyncio.wrap_future(engine.call(receive_and_load))
     except RuntimeError as e:
-        return _result(False, f"broadcast failed: {e}")
-    return _result(True, f"Succeeded to update {len(names)} parameters.")
+        return _result(False, f"Failed to receive weights: {e}")
+    if failure:
+        return _result(False, failure)
+    return _result(True, "Succeeded to update parameter online.")
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -329,7 +425,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     def load():
         W.load_weights(st.model, state.items())
         if body.get("weight_version") is not None:
-            engine.weight_version = str(body["weight_version"])
+            engine.set_weight_version(str(body["weight_version"]))
 
     await asyncio.wrap_future(engine.call(load))
     return web.json_response({"success": True, "message": f"Loaded {len(state)} tensors from {path}.",
@@ -392,6 +488,12 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--weight-version", default="default")
+    p.add_argument("--sglang-api", default=SGLANG_API_VERSION, choices=API_VERSIONS,
+                   help="the SGLang HTTP API to serve (0.5.20: no weight-update sessions)")
+    p.add_argument("--fail-update", type=int, default=0,
+                   help="fault injection: the N-th update_weights_from_distributed fails")
+    p.add_argument("--delay-group-init", default=None, metavar="SUBSTR=SECONDS",
+                   help="fault injection: delay init calls whose group name contains SUBSTR")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     ns = p.parse_args(argv)
     if ns.num_threads:

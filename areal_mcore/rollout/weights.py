@@ -1,10 +1,9 @@
-"""Weights into a served model: the update process group, and loading HF-named tensors by
-name the way SGLang's ``load_weights`` does (rotary buffers skipped, a tied lm_head
+"""Weights into a served model: receiving broadcast buckets, and loading HF-named tensors
+by name the way SGLang's ``load_weights`` does (rotary buffers skipped, a tied lm_head
 skipped, an unknown name or a shape mismatch is an error)."""
 
 from __future__ import annotations
 
-import datetime
 import math
 from collections.abc import Iterable
 
@@ -14,27 +13,38 @@ import torch.distributed as dist
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def init_weight_group(*, master_address: str, master_port: int, rank: int, world_size: int,
-                      group_name: str, backend: str, timeout_s: float = 600.0) -> dist.ProcessGroup:
-    """A process group outside torch's default group (the trainer already has one).
+def receive_flat(group: dist.ProcessGroup, buffer: ReusableBuffer, names: list[str],
+                 dtypes: list[str], shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+    """One broadcast of a flattened bucket: SGLang receives it as ``uint8`` of the bucket's
+    byte size (``weight_sync/tensor_bucket.py``), and the sender must send the same type
+    and count (NCCL and gloo match both). Tensors are views into the reused buffer."""
+    sizes, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        item = DTYPES[dtype].itemsize
+        if offset % item:
+            raise ValueError(f"unaligned tensor {name} in a flattened bucket: byte offset "
+                             f"{offset}, dtype {dtype}")
+        sizes.append(math.prod(shape) * item)
+        offset += sizes[-1]
+    flat, parts = buffer.views([[n] for n in sizes], torch.uint8)
+    group.broadcast(flat, 0).wait()
+    return [(name, part.view(DTYPES[dtype]).view(shape))
+            for name, part, dtype, shape in zip(names, parts, dtypes, shapes)]
 
-    Rank 0 (the trainer) hosts the store; blocks until all ``world_size`` ranks joined.
-    """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
-                          timeout=timeout)
-    store = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    raise ValueError(f"weight update backend must be gloo or nccl, got {backend!r}")
 
-
-def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
-    group.broadcast(tensor, src).wait()
+def receive_each(group: dist.ProcessGroup, model, names: list[str], dtypes: list[str],
+                 shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+    """One broadcast per tensor, queued back to back; a tensor whose parameter has its
+    dtype lands in the parameter itself."""
+    received, works = [], []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        target = receive_target(model, name, DTYPES[dtype], shape)
+        t = torch.empty(shape, dtype=DTYPES[dtype]) if target is None else target
+        works.append(group.broadcast(t, 0))
+        received.append((name, t))
+    for w in works:
+        w.wait()
+    return received
 
 
 class ReusableBuffer:
@@ -80,12 +90,17 @@ def check_weights(model, names: list[str], shapes: list[list[int]]) -> None:
         raise ValueError("; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
 
 
-def receive_target(model, name: str, dtype: torch.dtype) -> torch.Tensor | None:
-    """The parameter itself when a broadcast can land in it (same dtype, contiguous)."""
+def receive_target(model, name: str, dtype: torch.dtype, shape) -> torch.Tensor | None:
+    """The parameter itself when a broadcast can land in it (known name, same dtype and
+    shape, contiguous); otherwise the caller receives into a fresh tensor."""
     if _skipped(model, name):
         return None
-    p = model.get_parameter(name)
-    return p.data if p.dtype == dtype and p.is_contiguous() else None
+    try:
+        p = model.get_parameter(name)
+    except AttributeError:
+        return None  # unknown: received, then refused by check_weights
+    ok = p.dtype == dtype and list(p.shape) == list(shape) and p.is_contiguous()
+    return p.data if ok else None
 
 
 @torch.no_grad()

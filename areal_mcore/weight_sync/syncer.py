@@ -8,22 +8,30 @@ adapter, casts them to the rollout dtype and broadcasts them over its own update
 than its stage. While bucket k is on the wire (HTTP request + broadcast), bucket k+1 is
 gathered. Other data-parallel replicas hold the same weights and do nothing.
 
+Groups (``connect``): each stage head forms its own group (``weight_sync/group.py``, the
+same store recipe as SGLang's) under a name unique to this connection, one stage at a time:
+a server serves ``init_weights_update_group`` calls one by one in arrival order, each
+blocking until its group forms, so two stages initialising at once could reach two servers
+in opposite orders and wait on each other forever.
+
 Protocol of one push (the coordinator is the head of stage 0):
 pause generation -> begin_weight_update -> each stage in turn: per bucket
-``update_weights_from_distributed`` + broadcast -> flush cache -> end_weight_update ->
-continue. Stages take turns because each server receives on one thread: two stages
-broadcasting at once could reach two servers in opposite orders and deadlock; the
-servers' inbound bytes are the same either way. The new ``weight_version`` rides on the
-very last bucket only, so a server that did not get everything still reports the old
-version. On any failure every rank raises ``WeightSyncError`` naming the servers, and the
-servers stay paused: none serves a half-applied update.
+``update_weights_from_distributed`` + broadcast -> flush cache (not with pause mode
+``in_place``, where SGLang refuses it while requests keep their cache) -> end_weight_update
+-> continue. Stages take turns for the same reason as above. The new ``weight_version``
+rides on the very last bucket only, so a server that did not get everything still reports
+the old version. On any failure every rank raises ``WeightSyncError`` naming the servers;
+the update session is closed on every server (SGLang refuses a second begin while one is
+open), the groups are re-formed before the next push (a failed broadcast leaves a group
+unusable), and the servers stay paused: none serves a half-applied update until a push
+succeeds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +40,9 @@ import torch.distributed as dist
 from areal_mcore.model import adapter
 from areal_mcore.rollout.client import ClientConfig, RolloutClient, RolloutError
 from areal_mcore.rollout.launcher import free_port
-from areal_mcore.rollout.weights import ReusableBuffer, init_weight_group
+from areal_mcore.rollout.protocol import PAUSE_MODES
+from areal_mcore.rollout.weights import ReusableBuffer
+from areal_mcore.weight_sync.group import destroy_update_group, init_update_group, routable_address
 from areal_mcore.weight_sync.plan import DTYPES, SyncPlan, make_plan, plan_key
 
 MODES = ("distributed", "disk")
@@ -45,9 +55,12 @@ class WeightSyncConfig:
     dtype: str = "bfloat16"  # the rollout dtype
     flatten: bool = True  # one broadcast per bucket (load_format=flattened_bucket)
     backend: str = "auto"  # nccl with CUDA, else gloo
-    master_address: str | None = None  # None: this node's address
+    master_address: str | None = None  # None: this node's address on the route to the servers
     master_port: int | None = None  # stage s uses master_port + s; None: a free port
-    group_name: str = "areal_weight_sync"
+    group_name: str = "areal_weight_sync"  # prefix; each connection adds a unique suffix
+    # SGLang's pause_generation mode: abort (requests are resubmitted with what they
+    # generated), retract (back to the queue, cache recomputed) or in_place (kept with
+    # their cache: old-weight KV, no flush).
     pause_mode: str = "abort"
     disk_dir: str | None = None
     timeout_s: float = 600.0
@@ -61,6 +74,9 @@ class WeightSyncConfig:
             raise ValueError(f"weight_sync.backend must be auto, nccl or gloo, got {self.backend!r}")
         if self.bucket_mb <= 0:
             raise ValueError(f"weight_sync.bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"weight_sync.pause_mode must be one of {list(PAUSE_MODES)}, "
+                             f"got {self.pause_mode!r}")
         if self.mode == "disk" and not self.disk_dir:
             raise ValueError("weight_sync.mode=disk needs weight_sync.disk_dir (a shared filesystem path)")
 
@@ -104,9 +120,10 @@ class WeightSyncer:
                        if self.is_sender else None)
         self._plan: SyncPlan | None = None
         self._group = None
+        self.group_name: str | None = None  # this connection's group (stage heads)
+        self._regroup = False  # a push failed: form fresh groups before the next one
         device = next(actor.model.module.parameters()).device
         self._buffers = (ReusableBuffer(device), ReusableBuffer(device))
-        self.group_name = f"{cfg.group_name}_pp{g.pp_rank}"
 
     # ---- plan --------------------------------------------------------------------------
     def plan(self) -> SyncPlan:
@@ -118,38 +135,72 @@ class WeightSyncer:
                                    dtype=self.cfg.dtype, bucket_bytes=int(self.cfg.bucket_mb * 2**20))
         return self._plan
 
-    # ---- setup -------------------------------------------------------------------------
+    # ---- setup ----------------------------------------------------------------------
     async def connect(self) -> None:
-        """Starts the HTTP client and forms this stage's update group with every server."""
+        """Starts the HTTP client and forms each stage's update group with every server."""
         stats = SyncStats()
         if self.is_sender:
             await self.client.start()
-            if self.cfg.mode == "distributed":
-                try:
-                    await self._form_group()
-                except (RolloutError, RuntimeError) as e:
-                    stats.fail(f"forming the update group of stage {self.g.pp_rank}", e)
+        if self.is_coordinator:
+            try:
+                if self.cfg.mode == "distributed":
+                    self.client.check_distributed_updates()
+                # A trainer restarted against surviving servers may find the session its
+                # predecessor left open; SGLang would refuse every begin until it is closed.
+                await self.client.end_weight_update(best_effort=True)
+            except RolloutError as e:
+                stats.fail("checking the rollout servers", e)
         await self._agree(stats, "connecting to the rollout servers")
+        if self.cfg.mode == "distributed":
+            await self._form_groups()
+
+    async def _form_groups(self) -> None:
+        """Stage by stage: the previous group (if any) is destroyed, a fresh one formed."""
+        for stage in range(self.g.pp_size):
+            stats = SyncStats()
+            if self.is_sender and stage == self.g.pp_rank:
+                try:
+                    await self._destroy_group()
+                    await self._form_group()
+                except (RolloutError, RuntimeError, ValueError) as e:
+                    stats.fail(f"forming the update group of stage {stage}", e)
+            await self._agree(stats, f"forming the update group of stage {stage}")
+        self._regroup = False
 
     async def _form_group(self) -> None:
         cfg = self.cfg
-        address = cfg.master_address or socket.gethostbyname(socket.gethostname())
+        address = cfg.master_address or routable_address(self.client.cfg.addresses)
         port = cfg.master_port + self.g.pp_rank if cfg.master_port else free_port(address)
         backend = cfg.backend if cfg.backend != "auto" else (
             "nccl" if torch.cuda.is_available() else "gloo")
-        world = self.client.weight_group_world_size()
+        # Unique per connection: torch (and so SGLang) refuses a group name it already
+        # holds, and a group of a trainer that died may still be registered on a server.
+        name = f"{cfg.group_name}_pp{self.g.pp_rank}_{uuid.uuid4().hex[:8]}"
         join = asyncio.ensure_future(self.client.init_weights_update_group(
-            master_address=address, master_port=port, group_name=self.group_name, backend=backend))
+            master_address=address, master_port=port, group_name=name, backend=backend))
         try:
             self._group = await asyncio.to_thread(
-                init_weight_group, master_address=address, master_port=port, rank=0,
-                world_size=world, group_name=self.group_name, backend=backend,
-                timeout_s=cfg.timeout_s)
+                init_update_group, master_address=address, master_port=port,
+                world_size=self.client.weight_group_world_size(), group_name=name,
+                backend=backend, timeout_s=cfg.timeout_s)
+            self.group_name = name
         finally:
             await join
 
+    async def _destroy_group(self) -> None:
+        """Servers first (best effort: one may be dead), then this side."""
+        if self.group_name is None:
+            return
+        try:
+            await self.client.destroy_weights_update_group(self.group_name)
+        except RolloutError:
+            pass
+        destroy_update_group(self._group)
+        self._group, self.group_name = None, None
+
     async def close(self) -> None:
         if self.client is not None:
+            await self._destroy_group()
             await self.client.close()
 
     # ---- one update --------------------------------------------------------------------
@@ -160,12 +211,20 @@ class WeightSyncer:
         if self.cfg.mode == "disk":
             await self._push_disk(version, stats)
         elif self.participates:
-            await self._coordinate(stats, "pausing the servers", self._begin)
-            for stage in range(self.g.pp_size):
-                if stage == self.g.pp_rank:
-                    await self._send_stage(version, stats)
-                await self._agree(stats, f"sending stage {stage}")
-            await self._coordinate(stats, "resuming the servers", self._finish)
+            if self._regroup:
+                await self._form_groups()
+            try:
+                await self._coordinate(stats, "pausing the servers", self._begin)
+                for stage in range(self.g.pp_size):
+                    if stage == self.g.pp_rank:
+                        await self._send_stage(version, stats)
+                    await self._agree(stats, f"sending stage {stage}")
+                await self._coordinate(stats, "resuming the servers", self._finish)
+            except WeightSyncError:
+                self._regroup = True
+                if self.is_coordinator:  # no session may stay open: the next begin would fail
+                    await self.client.end_weight_update(best_effort=True)
+                raise
         stats.total_s = time.perf_counter() - start
         return stats
 
@@ -174,7 +233,8 @@ class WeightSyncer:
         await self.client.begin_weight_update()
 
     async def _finish(self) -> None:
-        await self.client.flush_cache()
+        if self.cfg.pause_mode != "in_place":
+            await self.client.flush_cache()
         await self.client.end_weight_update()
         await self.client.continue_()
 
@@ -268,11 +328,10 @@ class WeightSyncer:
                            only=set(names))
         order, shapes = plan.bucket_meta(i)
         # Two buffers: bucket i + 1 is filled while bucket i is on the wire.
-        flat, views = self._buffers[i % 2].views(shapes, DTYPES[plan.dtype])
-        for view, name in zip(views, order):
-            view.copy_(hf[name])  # cast and pack in one pass
+        payload = pack_bucket(self._buffers[i % 2], [hf[n] for n in order], shapes,
+                              DTYPES[plan.dtype], flatten=self.cfg.flatten)
         stats.convert_s += time.perf_counter() - t1
-        return [flat] if self.cfg.flatten else views
+        return payload
 
     def _broadcast(self, payload: list[torch.Tensor]) -> None:
         works = [self._group.broadcast(t, 0) for t in payload]  # queued back to back
@@ -292,3 +351,15 @@ class WeightSyncer:
             await self.client.update_weights_from_disk(self.cfg.disk_dir, weight_version=str(version))
             await self.client.continue_()
         await self._coordinate(stats, "loading the export from disk", load)
+
+
+def pack_bucket(buffer: ReusableBuffer, tensors: list[torch.Tensor], shapes: list[list[int]],
+                dtype: torch.dtype, *, flatten: bool) -> list[torch.Tensor]:
+    """Casts and packs one bucket into the reused buffer in a single pass; returns what
+    goes on the wire: one ``uint8`` tensor (a flattened bucket: SGLang receives it as
+    ``uint8`` of the same bytes, ``weight_sync/tensor_bucket.py``, and NCCL/gloo need the
+    same dtype and count on both ends) or one tensor per name."""
+    flat, views = buffer.views(shapes, dtype)
+    for view, t in zip(views, tensors, strict=True):
+        view.copy_(t)
+    return [flat.view(torch.uint8)] if flatten else views
