@@ -274,6 +274,17 @@ class ExperimentConfig:
     sft: SFTConfig | None = None
     launch: LaunchConfig = field(default_factory=LaunchConfig)  # Slurm (launcher/slurm.py)
 
+    def __post_init__(self):
+        r, s = self.rollout, self.server
+        if r is not None and s is not None and r.min_new_tokens > 0 and s.skip_tokenizer_init:
+            # SGLang's raise_if_tokenizer_required: it needs the tokenizer's eos id to hold
+            # EOS back, and a tokenizer-free server has none (the embedded server neither).
+            raise ValueError(
+                f"rollout.min_new_tokens={r.min_new_tokens} needs a tokenizer on the servers, "
+                "but server.skip_tokenizer_init is true (SGLang refuses min_new_tokens there): "
+                "set rollout.min_new_tokens=0, or server.skip_tokenizer_init=false with "
+                "server.backend=sglang")
+
 
 # --------------------------------------------------------------------------- loading
 

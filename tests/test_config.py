@@ -94,3 +94,21 @@ def test_missing_file_and_non_mapping_yaml(tmp_path):
 def test_dataclass_validation_without_loader():
     with pytest.raises(ValueError, match=r"std_level='pop'.*\['group', 'batch', 'none'\]"):
         NormConfig(mean_level="batch", std_level="pop")
+
+
+TINY = Path(__file__).parents[1] / "configs" / "tiny_cpu.yaml"
+
+
+def test_min_new_tokens_with_tokenizer_free_servers_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match=r"rollout\.min_new_tokens=2 needs a tokenizer.*"
+                                          r"server\.skip_tokenizer_init is true"):
+        load_config(TINY, ["rollout.min_new_tokens=2"])
+    cfg = load_config(TINY, ["rollout.min_new_tokens=2", "server.skip_tokenizer_init=false",
+                             "server.backend=sglang"])
+    assert cfg.rollout.sampling().min_new_tokens == 2
+
+
+def test_pause_mode_takes_sglangs_three_modes_only():
+    assert load_config(TINY, ["weight_sync.pause_mode=retract"]).weight_sync.pause_mode == "retract"
+    with pytest.raises(ConfigError, match=r"pause_mode must be one of \['abort', 'retract', 'in_place'\]"):
+        load_config(TINY, ["weight_sync.pause_mode=inplace"])

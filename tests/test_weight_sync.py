@@ -275,3 +275,56 @@ def test_full_sync_against_the_old_api_server(tmp_path):
         results = run_gloo(_sync_worker, 1, 1, 1, [old[0].address], 9, 0.02, True)
         _check_servers_equal(old, results[0]["hf"], 9)
         assert not results[0]["stats"].failures
+
+
+def _sync_while_generating_worker(rank, world, addresses):
+    """For each pause mode: 16 requests generating, a push in the middle of them."""
+    from _actor_setup import tiny_actor
+
+    from areal_mcore.rollout.client import ClientConfig, RolloutClient
+    from areal_mcore.rollout.protocol import SamplingParams
+    from areal_mcore.weight_sync.syncer import WeightSyncer
+
+    actor = tiny_actor()
+    out = {}
+
+    async def go():
+        client = RolloutClient(ClientConfig(addresses=addresses))
+        await client.start()
+        for version, mode in enumerate(("abort", "retract", "in_place"), start=1):
+            cfg = WeightSyncConfig(dtype="float32", master_address="127.0.0.1", timeout_s=60,
+                                   pause_mode=mode)
+            syncer = WeightSyncer(cfg, actor, addresses)
+            await syncer.connect()
+            sampling = SamplingParams(max_new_tokens=48, ignore_eos=True)
+            steps = _decode_steps(addresses[0])
+            jobs = [asyncio.ensure_future(client.generate(PROMPT, sampling)) for _ in range(16)]
+            while _decode_steps(addresses[0]) < steps + 5:  # mid-generation
+                await asyncio.sleep(0.01)
+            await syncer.push(version)
+            out[mode] = [(c.versions, len(c.output_ids), c.finish_reason["type"])
+                         for c in await asyncio.gather(*jobs)]
+            await syncer.close()
+        await client.close()
+    asyncio.run(go())
+    return out
+
+
+def _decode_steps(address: str) -> int:
+    return http(address, "GET", "/server_info")[1]["internal_states"][0]["decode_steps"]
+
+
+def test_a_sync_while_requests_generate_tags_every_token_with_its_version_in_each_pause_mode(tmp_path):
+    model = tiny_hf_dir(str(tmp_path), seed=21)
+    with embedded_servers(model, str(tmp_path / "logs"), n=1) as s:
+        [out] = run_gloo(_sync_while_generating_worker, 1, [s[0].address])
+    before = {"abort": "default", "retract": "1", "in_place": "2"}  # what each push replaces
+    for version, mode in enumerate(("abort", "retract", "in_place"), start=1):
+        rows = out[mode]
+        assert len(rows) == 16, mode  # none lost
+        for versions, n, finish in rows:
+            assert n == 48 and finish == "length" and len(versions) == n, mode
+            # old weights, then new ones; never back
+            assert versions == sorted(versions, key=lambda v: v == str(version)), (mode, versions)
+            assert set(versions) <= {before[mode], str(version)}, (mode, set(versions))
+        assert any(len(set(v)) == 2 for v, _, _ in rows), (mode, "no completion spans the update")

@@ -36,6 +36,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # SGLang refuses min_new_tokens > 0 under --skip-tokenizer-init (server.skip_tokenizer_init).
+    min_new_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     max_concurrent_rollouts: int = 64  # prompt groups in flight
     max_head_offpolicyness: int = 4
@@ -46,10 +48,12 @@ class RolloutConfig:
             raise ValueError("rollout.n_samples and rollout.max_concurrent_rollouts must be >= 1")
         if self.max_head_offpolicyness < 0:
             raise ValueError("rollout.max_head_offpolicyness must be >= 0")
+        if self.min_new_tokens < 0:
+            raise ValueError("rollout.min_new_tokens must be >= 0")
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k,
+                              top_p=self.top_p, top_k=self.top_k, min_new_tokens=self.min_new_tokens,
                               stop_token_ids=list(self.stop_token_ids))
 
 
