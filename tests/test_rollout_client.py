@@ -114,3 +114,49 @@ def test_timeouts_and_5xx_fail_over_and_the_slow_server_is_told_to_abort():
     # ID" of its own earlier attempt, and the abort names the attempt it cancels.
     assert [rid for _, what, rid in log if what == "generate"] == ["r1.0", "r1.1", "r1.2"]
     assert [rid for _, what, rid in log if what == "abort"] == ["r1.0"]
+
+
+def test_servers_sglang_cannot_update_over_distributed_are_refused_by_name():
+    import pytest
+    from aiohttp import web
+
+    from areal_mcore.rollout.client import RolloutError
+    from areal_mcore.rollout.launcher import free_port
+
+    def app(dp, pp):
+        async def info(request):
+            return web.json_response({"version": "0.5.23", "tp_size": 2, "dp_size": dp, "pp_size": pp})
+        a = web.Application()
+        a.router.add_get("/server_info", info)
+        return a
+
+    async def run():
+        runners, addresses = [], []
+        for dp, pp in ((1, 1), (2, 1), (1, 2)):
+            runner = web.AppRunner(app(dp, pp))
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+            addresses.append(f"127.0.0.1:{port}")
+        try:
+            async with RolloutClient(ClientConfig(addresses=addresses)) as client:
+                with pytest.raises(RolloutError) as e:
+                    client.check_distributed_updates()
+                return addresses, e.value
+        finally:
+            for r in runners:
+                await r.cleanup()
+
+    addresses, err = asyncio.run(run())
+    assert err.failed == addresses[1:]
+    assert f"{addresses[1]} (dp_size=2, pp_size=1)" in str(err)
+    assert f"{addresses[2]} (dp_size=1, pp_size=2)" in str(err) and "weight_sync.mode=disk" in str(err)
+
+
+def test_the_master_address_is_the_one_on_the_route_to_the_servers():
+    from areal_mcore.weight_sync.group import routable_address
+
+    # Loopback servers are reached from loopback (never gethostbyname's 127.0.1.1).
+    assert routable_address(["127.0.0.1:30000"]) == "127.0.0.1"
+    assert routable_address(["localhost:30000"]) == "127.0.0.1"
