@@ -81,14 +81,20 @@ class NormConfig:
     mean_level: str = "batch"
     std_level: str = "batch"
     # Samples per prompt; 'group' levels normalise over contiguous runs of this size.
-    group_size: int = 1
+    # null: rollout.n_samples (ExperimentConfig fills it in and refuses a mismatch).
+    group_size: int | None = None
     unbiased_std: bool = False
     eps: float = 1e-5
 
     def __post_init__(self):
         _check_choice("mean_level", self.mean_level, NORM_LEVELS)
         _check_choice("std_level", self.std_level, NORM_LEVELS)
-        _check_positive("group_size", self.group_size)
+        if self.group_size is not None:
+            _check_positive("group_size", self.group_size)
+
+    @property
+    def uses_groups(self) -> bool:
+        return "group" in (self.mean_level, self.std_level)
         _check_positive("eps", self.eps, allow_zero=True)
 
 
@@ -107,8 +113,12 @@ class PPOConfig:
     # Dual clip for negative advantages (Ye et al. 2020); None disables; must be > 1.
     c_clip: float | None = None
     use_decoupled_loss: bool = False
-    # Tokens whose behaviour weight exp(prox - behave) exceeds this are masked out.
+    # Tokens whose behaviour weight exp(prox - behave) exceeds this (or is not finite)
+    # are dropped from the loss and counted (train/behav_dropped_ratio).
     behav_imp_weight_cap: float | None = None
+    # recompute: a forward pass before training; loglinear: AReaL's interpolation between
+    # the behaviour and current logprobs (needs use_decoupled_loss: it *is* the proximal
+    # of the decoupled loss, and without it nothing corrects for the behaviour policy).
     prox_logp_method: str = "recompute"
     discount: float = 1.0
     gae_lambda: float = 1.0
@@ -132,6 +142,19 @@ class PPOConfig:
                 f"behav_imp_weight_cap={self.behav_imp_weight_cap} must be > 1 (or null)"
             )
         _check_choice("prox_logp_method", self.prox_logp_method, PROX_LOGP_METHODS)
+        if self.prox_logp_method == "loglinear" and not self.use_decoupled_loss:
+            raise ValueError(
+                "prox_logp_method='loglinear' needs use_decoupled_loss=true: the interpolated "
+                "proximal policy stands in for the recomputed one of the decoupled loss; without "
+                "the behaviour weight the loss trains against an interpolation with no correction "
+                "for the policy that sampled the tokens (use prox_logp_method=recompute)"
+            )
+        if self.adv_norm is not None and self.adv_norm.uses_groups:
+            key = "mean_level" if self.adv_norm.mean_level == "group" else "std_level"
+            raise ValueError(
+                f"adv_norm.{key}='group' is not supported: advantages are per token; normalise "
+                "rewards per group with reward_norm and advantages with 'batch' or 'none'"
+            )
         _check_choice("gae_kernel", self.gae_kernel, KERNELS)
         for key in ("discount", "gae_lambda"):
             _check_unit_interval(key, getattr(self, key))
@@ -284,6 +307,28 @@ class ExperimentConfig:
                 "but server.skip_tokenizer_init is true (SGLang refuses min_new_tokens there): "
                 "set rollout.min_new_tokens=0, or server.skip_tokenizer_init=false with "
                 "server.backend=sglang")
+        if self.trainer is not None and self.rollout is not None and self.rollout.temperature <= 0:
+            raise ValueError(f"rollout.temperature={self.rollout.temperature} must be > 0 for training: "
+                             "the actor scores tokens at the sampling temperature")
+        self._check_reward_groups()
+
+    def _check_reward_groups(self) -> None:
+        # Reward groups are the rollout's groups: one source of truth for their size.
+        norm = self.ppo.reward_norm
+        if norm is None or not norm.uses_groups:
+            return
+        n = self.rollout.n_samples if self.rollout is not None else None
+        if norm.group_size is None:
+            if n is None:
+                raise ValueError("ppo.reward_norm.group_size is needed for 'group' levels when there is "
+                                 "no rollout section (set it, or rollout.n_samples)")
+            self.ppo.reward_norm = dataclasses.replace(norm, group_size=n)
+        elif n is not None and norm.group_size != n:
+            raise ValueError(
+                f"ppo.reward_norm.group_size={norm.group_size} does not match rollout.n_samples={n}: "
+                f"groups would mix prompts or split one; set ppo.reward_norm.group_size={n} or null "
+                "(null follows rollout.n_samples)"
+            )
 
 
 # --------------------------------------------------------------------------- loading

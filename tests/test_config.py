@@ -112,3 +112,34 @@ def test_pause_mode_takes_sglangs_three_modes_only():
     assert load_config(TINY, ["weight_sync.pause_mode=retract"]).weight_sync.pause_mode == "retract"
     with pytest.raises(ConfigError, match=r"pause_mode must be one of \['abort', 'retract', 'in_place'\]"):
         load_config(TINY, ["weight_sync.pause_mode=inplace"])
+
+
+def test_reward_norm_group_size_mismatching_n_samples_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError) as e:
+        load_config(BOBA_7B, ["ppo.reward_norm.group_size=8", "rollout.n_samples=16"])
+    msg = str(e.value)
+    assert "ppo.reward_norm.group_size=8" in msg and "rollout.n_samples=16" in msg
+
+
+def test_reward_norm_group_size_null_follows_rollout_n_samples():
+    cfg = load_config(BOBA_7B, ["ppo.reward_norm.group_size=null", "rollout.n_samples=12"])
+    assert cfg.ppo.reward_norm.group_size == 12
+    batch_only = load_config(BOBA_7B, ["ppo.reward_norm.mean_level=batch", "ppo.reward_norm.std_level=batch",
+                                       "ppo.reward_norm.group_size=null", "rollout.n_samples=12"])
+    assert batch_only.ppo.reward_norm.group_size is None  # not used at batch level
+
+
+def test_loglinear_proximal_without_the_decoupled_loss_is_refused_with_the_reason():
+    with pytest.raises(ConfigError) as e:
+        load_config(BOBA_7B, ["ppo.use_decoupled_loss=false", "ppo.prox_logp_method=loglinear"])
+    msg = str(e.value)
+    assert "ppo.prox_logp_method='loglinear' needs use_decoupled_loss=true" in msg
+    assert "behaviour" in msg
+    assert load_config(BOBA_7B, ["ppo.prox_logp_method=loglinear"]).ppo.use_decoupled_loss  # boba: fine
+
+
+@pytest.mark.parametrize("override", ["ppo.adv_norm.mean_level=group", "ppo.adv_norm.std_level=group",
+                                      "rollout.temperature=0"])
+def test_settings_the_training_maths_cannot_honour_are_refused(override):
+    with pytest.raises(ConfigError, match=override.split(".", 1)[1].split("=")[0]):
+        load_config(BOBA_7B, [override])

@@ -35,7 +35,7 @@ def normalize(
     *,
     mean_level: str,
     std_level: str,
-    group_size: int = 1,
+    group_size: int | None = 1,
     unbiased_std: bool = False,
     eps: float = 1e-5,
     mask: torch.Tensor | None = None,
@@ -64,6 +64,8 @@ def normalize(
             raise ValueError(f"{name}={level!r} is not one of {list(LEVELS)}")
     x = values.double()
     m = torch.ones_like(x) if mask is None else mask.to(x.dtype)
+    if "group" in (mean_level, std_level) and group_size is None:
+        raise ValueError("group normalisation needs group_size (config: rollout.n_samples)")
     if "group" in (mean_level, std_level) and (x.dim() != 1 or x.numel() % group_size):
         raise ValueError(
             f"group normalisation needs one value per sequence with the batch a multiple of "
