@@ -9,6 +9,7 @@ undoes megatron's own averaging so that these losses add up to the exact token m
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -31,7 +32,12 @@ from areal_mcore.config import ActorConfig
 from areal_mcore.model import adapter
 from areal_mcore.model.args import ModelArgs, padded_vocab_size
 from areal_mcore.model.hf_config import build_gpt_model, transformer_config
-from areal_mcore.packing import PackedBatch, allocate_micro_batches, allocate_micro_batches_synced
+from areal_mcore.packing import (
+    PackedBatch,
+    allocate_micro_batches,
+    allocate_micro_batches_synced,
+    pack,
+)
 
 LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
@@ -221,8 +227,16 @@ class MegatronActor:
     # ------------------------------------------------------------------ train
 
     def train_batch(self, batch: PackedBatch, loss_fn: LossFn, n_minibatches: int = 1,
-                    reduce_stats: Callable[[list[dict], dist.ProcessGroup], dict] | None = None) -> dict:
+                    reduce_stats: Callable[[list[dict], dist.ProcessGroup], dict] | None = None,
+                    *, temperature: float = 1.0, step: int | None = None) -> dict:
         """One optimizer step per minibatch (contiguous slices of the sequences).
+
+        ``temperature`` divides the logits before the logprobs (PPO: the rollout's, so
+        θ and the proximal policy score the distribution the tokens were sampled from;
+        SFT: 1). A minibatch with no sequence on this rank (fewer sequences than
+        minibatches) runs one-token placeholders with no loss tokens, so the rank still
+        takes part in every collective. A non-finite loss raises ``FloatingPointError``
+        naming ``step`` and the minibatch on every rank, before the optimizer steps.
 
         Returns per-minibatch ``loss`` (the exact token mean over all DP ranks),
         ``grad_norm``, ``n_micro_batches``, plus ``tokens``, ``lr``, ``time_s``, the loss
@@ -237,10 +251,18 @@ class MegatronActor:
         t0 = time.perf_counter()
         self.model.train()
         result = {"loss": [], "grad_norm": [], "n_micro_batches": [], "micro_stats": []}
-        minibatches = batch.select_many([ids.tolist() for ids in np.array_split(np.arange(batch.num_seqs), n_minibatches)])
-        for sub in minibatches:
-            tokens = sub.fields["loss_mask"].float().sum().to(self.device)
-            dist.all_reduce(tokens, group=g.dp)
+        splits = [ids.tolist() for ids in np.array_split(np.arange(batch.num_seqs), n_minibatches)]
+        minibatches = batch.select_many([ids for ids in splits if ids])
+        minibatches = [minibatches.pop(0) if ids else None for ids in splits]
+        for k, sub in enumerate(minibatches):
+            # One all-reduce gives the global loss-token count and the minibatch's sequence
+            # count, which bounds the micro-batch count any rank can ask for.
+            counts = torch.tensor([0.0 if sub is None else float(sub.fields["loss_mask"].sum()),
+                                   0.0 if sub is None else float(sub.num_seqs)], device=self.device)
+            dist.all_reduce(counts, group=g.dp)
+            tokens = counts[0].clamp(min=1.0)  # a minibatch without loss tokens: 0, not 0/0
+            if sub is None:
+                sub = _placeholder(batch, max(int(counts[1]), 1))
             lens = sub.seqlens_padded
             bins = allocate_micro_batches_synced(lens, self.cfg.mb_spec.max_tokens_per_mb, group=g.dp,
                                                  min_mbs=min(g.pp_size, len(lens)))
@@ -248,7 +270,7 @@ class MegatronActor:
             n_mb = len(micro)
 
             def loss_func(mb, logits, n_mb=n_mb, tokens=tokens):
-                logp = self._logprobs(mb, logits, temperature=1.0)
+                logp = self._logprobs(mb, logits, temperature=temperature)
                 loss, stats = loss_fn(logp, mb, tokens)
                 stats = {**stats, "loss": loss.detach().clone()}
                 # megatron divides each micro-batch loss by num_microbatches (schedules.py,
@@ -260,8 +282,6 @@ class MegatronActor:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             outputs = self._run(micro, loss_func, forward_only=False)
-            _, grad_norm, _ = self.optimizer.step()
-            self.scheduler.step(increment=1)
             loss = torch.zeros((), device=self.device)
             if g.is_last_stage:
                 loss = sum(o["loss"] for o in outputs).float()
@@ -269,6 +289,18 @@ class MegatronActor:
             dist.all_reduce(loss, group=g.dp)
             if g.pp_size > 1:
                 dist.broadcast(loss, src=g.pp_last_rank, group=g.pp)
+            # A NaN/inf in any micro-batch reaches every rank through the sum, the DP
+            # all-reduce and the PP broadcast, so all ranks raise together, before the
+            # optimizer step writes NaN into the weights.
+            if not math.isfinite(float(loss)):
+                bad = [i for i, o in enumerate(outputs) if not torch.isfinite(o["loss"])]
+                where = f"step {step}, " if step is not None else ""
+                raise FloatingPointError(
+                    f"non-finite loss ({float(loss)}) at {where}minibatch {k + 1}/{len(minibatches)}"
+                    + (f", micro-batches {bad} of {n_mb} on this rank" if bad else "")
+                    + "; the optimizer did not step")
+            _, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
             result["loss"].append(float(loss))
             result["grad_norm"].append(float(grad_norm) if grad_norm is not None else float("nan"))
             result["n_micro_batches"].append(n_mb)
@@ -278,3 +310,12 @@ class MegatronActor:
         result["lr"] = self.optimizer.param_groups[0]["lr"]  # after this step's scheduler updates
         result["time_s"] = time.perf_counter() - t0
         return result
+
+
+def _placeholder(batch: PackedBatch, n: int) -> PackedBatch:
+    """``n`` one-token sequences with every field 0 (no loss tokens): what a rank trains
+    on when a minibatch has none of its sequences. ``n`` is the minibatch's sequence count
+    over the DP group, so any micro-batch count another rank needs can be matched."""
+    one = torch.zeros(1, dtype=batch.input_ids.dtype)
+    fields = {k: [torch.zeros(1, dtype=v.dtype)] * n for k, v in batch.fields.items()}
+    return pack([one] * n, fields, pad_to_multiple_of=batch.pad_to_multiple_of)

@@ -138,6 +138,9 @@ def loglinear_proximal_logprobs(
 
 
 _MAX_KEYS = ("behav_imp_weight_max",)
+_OWN_KEYS = ("loss_tokens", "kept_tokens", "dropped_tokens", "cap_masked_tokens", "nonfinite_tokens",
+             "clipped_tokens", "dual_clipped_tokens", "approx_kl_sum", "approx_kl_k3_sum",
+             "behav_imp_weight_sum", "loss", *_MAX_KEYS)  # "loss": the actor's, reported apart
 
 
 def reduce_ppo_stats(
@@ -147,7 +150,8 @@ def reduce_ppo_stats(
 
     Call once per step (it syncs with the host). ``behav_dropped_ratio`` (non-finite or
     over-cap, of which ``cap_masked_ratio`` over the cap and ``nonfinite_ratio`` not
-    finite) is over the loss tokens; the other ratios are over the kept tokens.
+    finite) is over the loss tokens; the other ratios are over the kept tokens. Keys the
+    caller added to the stats (e.g. ``empty_responses``) come back as totals.
     """
     keys = sorted(stats[0])
     sums = torch.stack([sum(s[k] for s in stats) for k in keys if k not in _MAX_KEYS]).double()
@@ -159,7 +163,9 @@ def reduce_ppo_stats(
     total.update(zip(_MAX_KEYS, maxes.tolist()))
     n = max(total["loss_tokens"], 1.0)
     kept = max(total["kept_tokens"], 1.0)
+    extra = {k: v for k, v in total.items() if k not in _OWN_KEYS}  # the caller's counts
     return {
+        **extra,
         "loss_tokens": total["loss_tokens"],
         "behav_dropped_ratio": total["dropped_tokens"] / n,
         "cap_masked_ratio": total["cap_masked_tokens"] / n,

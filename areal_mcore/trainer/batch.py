@@ -25,19 +25,25 @@ from areal_mcore.packing import PackedBatch, pack
 def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | None = None,
                    pad_to_multiple_of: int = 1) -> PackedBatch:
     """Packs ``samples`` (``rollout.controller.Sample``: prompt_ids, output_ids, logprobs,
-    versions, reward) with fields loss_mask, behave (rollout logprobs), versions, adv.
+    versions, reward) with fields loss_mask, behave (rollout logprobs), versions, adv and
+    empty_response (1 on the first token of a sample whose response is empty).
 
     Groups must be contiguous (as the controller returns them) for group normalisation.
+    An empty response (a server may return none on abort, or when the prompt fills the
+    context) is a prompt-only sequence with no loss tokens: it trains nothing, its reward
+    still counts in its group's normalisation (it is one of the group's samples), and the
+    loss reports it (``empty_responses``).
     """
-    if any(not s.output_ids for s in samples):
-        raise ValueError("a sample has an empty response: nothing to train on")
-    seqs, fields = [], {"loss_mask": [], "behave": [], "versions": []}
+    seqs, fields = [], {"loss_mask": [], "behave": [], "versions": [], "empty_response": []}
     for s in samples:
         n_prompt, n_out = len(s.prompt_ids), len(s.output_ids)
-        seqs.append(torch.tensor(list(s.prompt_ids) + list(s.output_ids)))
+        seqs.append(torch.tensor(list(s.prompt_ids) + list(s.output_ids), dtype=torch.long))
         fields["loss_mask"].append(torch.cat([torch.zeros(n_prompt), torch.ones(n_out)]).bool())
         fields["behave"].append(torch.cat([torch.zeros(n_prompt), torch.tensor(s.logprobs).float()]))
-        fields["versions"].append(torch.tensor([-1] * n_prompt + list(s.versions)))
+        fields["versions"].append(torch.tensor([-1] * n_prompt + list(s.versions), dtype=torch.long))
+        empty = torch.zeros(n_prompt + n_out)
+        empty[0] = float(n_out == 0)
+        fields["empty_response"].append(empty)
     batch = pack(seqs, fields, pad_to_multiple_of=pad_to_multiple_of)
 
     rewards_B = transform_reward(torch.tensor([float(s.reward) for s in samples]),

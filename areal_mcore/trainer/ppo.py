@@ -36,11 +36,12 @@ def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens):
     f = mb.fields
     prox = (f["prox"] if ppo.prox_logp_method == "recompute"
             else loglinear_proximal_logprobs(f["behave"], logprobs_T, f["versions"], version))
-    return ppo_actor_loss(
+    loss, stats = ppo_actor_loss(
         logprobs_T, prox, f["adv"], f["loss_mask"], num_global_tokens=num_global_tokens,
         eps_clip=ppo.eps_clip, eps_clip_high=ppo.eps_clip_high, c_clip=ppo.c_clip,
         behave_logprobs_T=f["behave"] if ppo.use_decoupled_loss else None,
         behav_imp_weight_cap=ppo.behav_imp_weight_cap)
+    return loss, {**stats, "empty_responses": f["empty_response"].sum()}
 
 
 def train(cfg: ExperimentConfig) -> list[dict]:
@@ -54,12 +55,14 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                 samples, rollout_stats = run.rollout(step)
             with phase("advantages"):
                 batch = to_train_batch(samples, ppo, dp_group=run.actor.groups.dp)
+            temperature = cfg.rollout.temperature  # score what the servers sampled from
             if ppo.prox_logp_method == "recompute":
-                with phase("recompute"):
-                    batch.fields["prox"] = run.actor.compute_logprobs(batch)  # π_prox before the update
+                with phase("recompute"):  # π_prox before the update
+                    batch.fields["prox"] = run.actor.compute_logprobs(batch, temperature=temperature)
             with phase("train"):
-                train_stats = run.actor.train_batch(batch, partial(ppo_loss, ppo, step),
-                                                    ppo.ppo_n_minibatches, reduce_stats=reduce_ppo_stats)
+                train_stats = run.actor.train_batch(batch, partial(ppo_loss, ppo, step), ppo.ppo_n_minibatches,
+                                                    reduce_stats=reduce_ppo_stats, temperature=temperature,
+                                                    step=step + 1)
             with phase("sync"):
                 sync_stats = run.sync(version=step + 1)
             with phase("eval"):
