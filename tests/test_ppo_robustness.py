@@ -62,6 +62,12 @@ def _dp_worker(rank, world):
     except FloatingPointError as e:
         out["nan_error"] = str(e)
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, _params(actor)))
+    # One sample in all: rank 1 has none, and still trains (placeholders) with rank 0.
+    # (mean none / std batch: one sample's advantages keep their sign, and the empty rank
+    # joins the all-reduce with nothing.)
+    one, rms = _samples()[:1][rank::world], NormConfig(mean_level="none", std_level="batch")
+    ppo = PPOConfig(**{**PPO.__dict__, "adv_norm": rms})
+    out["alone"] = _train(actor, to_train_batch(one, ppo, dp_group=dp), step=3, adv_norm=rms)
     return out
 
 
@@ -115,3 +121,10 @@ def test_minus_inf_and_nan_rollout_logprobs_give_the_gradient_of_those_tokens_ma
     assert bad["stats"]["nonfinite_ratio"] == pytest.approx(2 / 18)
     assert ref["stats"]["cap_masked_ratio"] == pytest.approx(2 / 18)
     assert math.isfinite(bad["stats"]["behav_imp_weight_max"])
+
+
+def test_a_dp_rank_without_any_sample_takes_part_with_zero_loss_tokens(dp_results):
+    (r0, r1) = (r["alone"] for r in dp_results)
+    assert r0["loss"] == r1["loss"] and r0["grad_norm"] == r1["grad_norm"]
+    assert r0["grad_norm"][0] > 0 and r0["grad_norm"][1:] == [0.0, 0.0, 0.0]
+    assert r0["stats"]["loss_tokens"] == 5 and r0["stats"]["empty_responses"] == 0

@@ -32,9 +32,16 @@ def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | Non
     An empty response (a server may return none on abort, or when the prompt fills the
     context) is a prompt-only sequence with no loss tokens: it trains nothing, its reward
     still counts in its group's normalisation (it is one of the group's samples), and the
-    loss reports it (``empty_responses``).
+    loss reports it (``empty_responses``). A rank given no samples at all gets one
+    one-token placeholder sequence with no loss tokens, and still takes part in the
+    normalisation's all-reduces and in training.
     """
     seqs, fields = [], {"loss_mask": [], "behave": [], "versions": [], "empty_response": []}
+    if not samples:
+        seqs.append(torch.zeros(1, dtype=torch.long))
+        for name, dtype in (("loss_mask", torch.bool), ("behave", torch.float32), ("versions", torch.long),
+                            ("empty_response", torch.float32)):
+            fields[name].append(torch.zeros(1, dtype=dtype))
     for s in samples:
         n_prompt, n_out = len(s.prompt_ids), len(s.output_ids)
         seqs.append(torch.tensor(list(s.prompt_ids) + list(s.output_ids), dtype=torch.long))
@@ -50,6 +57,8 @@ def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | Non
                                  bias=ppo.reward_bias, scaling=ppo.reward_scaling, clip=ppo.reward_clip)
     if ppo.reward_norm is not None:
         rewards_B = normalize(rewards_B, **dataclasses.asdict(ppo.reward_norm), group=dp_group)
+    if not samples:
+        rewards_B = torch.zeros(1)  # the placeholder's; it has no loss token to carry it
     mask_T = batch.fields["loss_mask"]
     adv_T, _ = gae_packed(rewards_B, batch.cu_seqlens_padded, gamma=ppo.discount, lam=ppo.gae_lambda,
                           loss_mask_T=mask_T, kernel=ppo.gae_kernel)
