@@ -31,8 +31,10 @@ from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
 
 def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens):
     """The actor's loss: clipped PPO against the proximal logprobs (recomputed before
-    training, or AReaL's log-linear interpolation at ``version``), with the behaviour
-    (rollout) logprobs in the decoupled form when configured."""
+    training, or AReaL's log-linear interpolation with the proximal weights at
+    ``version`` = this step's index: our version labels, see
+    ``algo.loglinear_proximal_logprobs``), with the behaviour (rollout) logprobs in the
+    decoupled form when configured; also counts the batch's empty responses."""
     f = mb.fields
     prox = (f["prox"] if ppo.prox_logp_method == "recompute"
             else loglinear_proximal_logprobs(f["behave"], logprobs_T, f["versions"], version))
