@@ -91,11 +91,11 @@ class NormConfig:
         _check_choice("std_level", self.std_level, NORM_LEVELS)
         if self.group_size is not None:
             _check_positive("group_size", self.group_size)
+        _check_positive("eps", self.eps, allow_zero=True)
 
     @property
     def uses_groups(self) -> bool:
         return "group" in (self.mean_level, self.std_level)
-        _check_positive("eps", self.eps, allow_zero=True)
 
 
 PROX_LOGP_METHODS = ("recompute", "loglinear")

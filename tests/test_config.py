@@ -143,3 +143,8 @@ def test_loglinear_proximal_without_the_decoupled_loss_is_refused_with_the_reaso
 def test_settings_the_training_maths_cannot_honour_are_refused(override):
     with pytest.raises(ConfigError, match=override.split(".", 1)[1].split("=")[0]):
         load_config(BOBA_7B, [override])
+
+
+def test_negative_normalisation_eps_is_refused():
+    with pytest.raises(ConfigError, match="ppo.reward_norm.eps"):
+        load_config(BOBA_7B, ["ppo.reward_norm.eps=-1"])
