@@ -75,4 +75,7 @@ def test_a_ppo_step_at_temperature_07_has_behaviour_weights_of_one(tmp_path):
     assert row["train/behav_imp_weight_mean"] == pytest.approx(1.0, abs=1e-5)
     assert row["train/behav_imp_weight_max"] == pytest.approx(1.0, abs=1e-5)
     assert row["train/behav_dropped_ratio"] == 0.0
+    # one minibatch: θ is the proximal policy, so the training pass (same temperature)
+    # reproduces the recomputed logprobs
+    assert abs(row["train/approx_kl"]) <= 1e-6 and row["train/clip_ratio"] == 0.0
     assert math.isfinite(row["train/loss"][0])
