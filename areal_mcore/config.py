@@ -188,20 +188,44 @@ class OptimizerConfig:
         _check_positive("gradient_clipping", self.gradient_clipping, allow_zero=True)
 
 
+SEQUENCE_PARALLEL = ("auto", "true", "false")
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     """Megatron model parallelism; data parallelism is what remains of the world size."""
 
     tp: int = 1
     pp: int = 1
+    # Megatron sequence parallelism: activations outside the TP regions (norms, residual)
+    # sharded over the TP ranks along the tokens. "auto": on when tp > 1 (as slime, AReaL
+    # and verl run TP); "true"/"false" force it.
+    sequence_parallel: str = "auto"
+    # Uneven pipeline split: layers of the first (embedding) / last (LM head) stage; the
+    # other stages share the rest equally. None: an equal split.
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self):
         _check_positive("tp", self.tp)
         _check_positive("pp", self.pp)
+        self.sequence_parallel = str(self.sequence_parallel).lower()
+        _check_choice("sequence_parallel", self.sequence_parallel, SEQUENCE_PARALLEL)
+        for key in ("first_stage_layers", "last_stage_layers"):
+            if getattr(self, key) is not None:
+                _check_positive(key, getattr(self, key))
+                if self.pp == 1:
+                    raise ValueError(f"{key}={getattr(self, key)} needs pp > 1; set it to null")
+
+    @property
+    def use_sequence_parallel(self) -> bool:
+        """Whether SP is on (it does nothing at tp == 1, so it is off there)."""
+        return self.tp > 1 and self.sequence_parallel in ("auto", "true")
 
 
 DTYPES = ("float32", "bfloat16")
 LAYER_SPECS = ("auto", "local", "te")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
 
 
 @dataclass(kw_only=True)
@@ -212,8 +236,10 @@ class ActorConfig:
     optimizer: OptimizerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dtype: str = "float32"
-    # Full-layer activation recomputation: a second forward per layer for long contexts.
+    # Activation recomputation for long contexts: "full" reruns each layer's forward in
+    # the backward (saves only layer inputs), "selective" only the attention core.
     recompute: bool = False
+    recompute_granularity: str = "full"
     # Padded vocab = multiple of this x TP (megatron's make-vocab-size-divisible-by).
     vocab_divisible_by: int = 128
     # "auto": TransformerEngine's spec when TE imports with CUDA, else the local spec.
@@ -226,6 +252,7 @@ class ActorConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("layer_spec", self.layer_spec, LAYER_SPECS)
         _check_choice("logprob_kernel", self.logprob_kernel, KERNELS)
+        _check_choice("recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
         _check_positive("vocab_divisible_by", self.vocab_divisible_by)
 
 

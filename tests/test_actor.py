@@ -34,7 +34,8 @@ def _hf_reference(seqs, tie=False):
 def _logits_worker(rank, world, tp, tie):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    actor = _actor(tp=tp, tie=tie)
+    # The model is called directly on odd lengths here; SP needs them padded to TP.
+    actor = _actor(tp=tp, tie=tie, sp="false")
     batch = pack(_seqs())
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens,
                              cu_seqlens_kv=batch.cu_seqlens, max_seqlen_q=batch.max_seqlen,

@@ -37,6 +37,7 @@ from areal_mcore.packing import (
     allocate_micro_batches,
     allocate_micro_batches_synced,
     pack,
+    unpack,
 )
 
 LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict]]
@@ -58,12 +59,18 @@ class MegatronActor:
         use_te = {"auto": found.transformer_engine, "local": False, "te": True}[cfg.layer_spec]
         if use_te and not found.transformer_engine:
             raise ValueError("actor.layer_spec=te needs TransformerEngine with CUDA; use auto or local")
+        p = cfg.parallel
         self.config = transformer_config(self.args, tp_size=g.tp_size, pp_size=g.pp_size,
                                          params_dtype=dtype, recompute=cfg.recompute,
+                                         recompute_granularity=cfg.recompute_granularity,
+                                         sequence_parallel=p.use_sequence_parallel,
+                                         first_stage_layers=p.first_stage_layers,
+                                         last_stage_layers=p.last_stage_layers,
                                          on_gpu=found.cuda, fused=use_te)
         model = build_gpt_model(self.args, self.config, padded_vocab=self.padded_vocab,
                                 use_te=use_te, pre_process=g.is_first_stage,
-                                post_process=g.is_last_stage, pg_collection=g.collection)
+                                post_process=g.is_last_stage, pp_rank=g.pp_rank,
+                                pg_collection=g.collection)
         model.to(self.device)
         self.model = DistributedDataParallel(
             config=self.config,
@@ -187,6 +194,18 @@ class MegatronActor:
                               tp_rank=self.groups.tp_rank, tp_group=self.groups.tp,
                               temperature=temperature, kernel=self.cfg.logprob_kernel)
 
+    def _tp_aligned(self, batch: PackedBatch) -> PackedBatch:
+        """``batch`` with every sequence padded to a multiple of TP under sequence parallelism:
+        megatron scatters the packed row over the TP ranks along the tokens and asserts that
+        they divide evenly (tensor_parallel/mappings.py, ``_reduce_scatter_along_first_dim``).
+        Padding sits at the end of each segment, so causal attention keeps the real tokens'
+        numbers, and the padded positions carry zero fields (masked out of the loss)."""
+        m = self.groups.tp_size if self.config.sequence_parallel else 1
+        if batch.pad_to_multiple_of % m == 0:
+            return batch
+        seqs, fields = unpack(batch)
+        return pack(seqs, fields, pad_to_multiple_of=math.lcm(batch.pad_to_multiple_of, m))
+
     def _run(self, micro_batches: list[PackedBatch], loss_func, forward_only: bool):
         return self._fb(
             forward_step_func=partial(self._forward_step, loss_func),
@@ -203,10 +222,11 @@ class MegatronActor:
         """logp_T of ``batch``'s own tokens (0 at sequence starts), on every rank."""
         g = self.groups
         self.model.eval()
-        lens = batch.seqlens_padded
+        aligned = self._tp_aligned(batch)
+        lens = aligned.seqlens_padded
         bins = allocate_micro_batches(lens, self.cfg.mb_spec.max_tokens_per_mb,
                                       min_mbs=min(g.pp_size, len(lens)))
-        micro = batch.select_many(bins)
+        micro = aligned.select_many(bins)
 
         def loss_func(mb, logits):
             logp = self._logprobs(mb, logits, temperature)
@@ -263,6 +283,7 @@ class MegatronActor:
             tokens = counts[0].clamp(min=1.0)  # a minibatch without loss tokens: 0, not 0/0
             if sub is None:
                 sub = _placeholder(batch, max(int(counts[1]), 1))
+            sub = self._tp_aligned(sub)
             lens = sub.seqlens_padded
             bins = allocate_micro_batches_synced(lens, self.cfg.mb_spec.max_tokens_per_mb, group=g.dp,
                                                  min_mbs=min(g.pp_size, len(lens)))

@@ -76,3 +76,24 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) ->
     """Vocab rounded up so every TP rank holds an equal, aligned slice (megatron's rule)."""
     multiple = divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
+
+
+def stage_layer_counts(num_layers: int, pp_size: int, first: int | None = None,
+                       last: int | None = None) -> list[int]:
+    """Layers per pipeline stage, megatron's rule (transformer_block.get_num_layers_to_build):
+    the first/last stage hold ``first``/``last`` layers when set, the other stages share the
+    rest equally. Raises naming the config keys when the split is impossible."""
+    if pp_size == 1:
+        if first is not None or last is not None:
+            raise ValueError("actor.parallel.first_stage_layers/last_stage_layers need pp > 1")
+        return [num_layers]
+    fixed = {0: first, pp_size - 1: last}
+    rest = num_layers - sum(v for v in fixed.values() if v is not None)
+    free = [s for s in range(pp_size) if fixed.get(s) is None]
+    if any(v is not None and v < 1 for v in fixed.values()) or rest < 0 or (free and rest % len(free)) \
+            or (not free and rest) or (free and rest // len(free) < 1):
+        raise ValueError(
+            f"num_hidden_layers={num_layers} cannot be split over pp={pp_size} with "
+            f"actor.parallel.first_stage_layers={first}, last_stage_layers={last}: the other "
+            f"stages must share the remaining layers equally (at least one each)")
+    return [fixed[s] if fixed.get(s) is not None else rest // len(free) for s in range(pp_size)]

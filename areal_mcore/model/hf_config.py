@@ -10,29 +10,51 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from areal_mcore.model.args import ModelArgs
+from areal_mcore.model.args import ModelArgs, stage_layer_counts
 from areal_mcore.model.attention import CPUCoreAttention
+from areal_mcore.model.norm import SequenceParallelRMSNorm
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
 
 
 def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dtype: torch.dtype,
-                       recompute: bool = False, on_gpu: bool = False, fused: bool = False) -> TransformerConfig:
+                       recompute: bool = False, recompute_granularity: str = "full",
+                       sequence_parallel: bool = False, first_stage_layers: int | None = None,
+                       last_stage_layers: int | None = None, on_gpu: bool = False,
+                       fused: bool = False, gradient_accumulation_fusion: bool = False) -> TransformerConfig:
     """The megatron config for ``args`` under the given parallelism.
 
-    ``recompute`` turns on full-layer activation recomputation (long contexts trade a
-    second forward for memory). ``fused`` turns on megatron's fused kernels, which need
-    TransformerEngine/apex on a GPU.
+    ``recompute`` turns on activation recomputation: ``full`` reruns each layer's forward
+    in the backward (long contexts trade a second forward for memory), ``selective``
+    only the attention core (megatron's ``core_attn``). ``sequence_parallel`` shards the
+    activations outside the TP regions along the tokens (needs tp > 1).
+    ``first_stage_layers`` / ``last_stage_layers`` give the embedding / LM-head stages
+    fewer layers (megatron's uneven pipeline split). ``fused`` turns on megatron's fused
+    kernels, which need TransformerEngine/apex on a GPU.
     """
-    if args.num_layers % pp_size:
-        raise ValueError(f"num_hidden_layers={args.num_layers} must be divisible by pp={pp_size}")
+    stage_layer_counts(args.num_layers, pp_size, first_stage_layers, last_stage_layers)  # validates
     for name, value in (("num_attention_heads", args.num_heads), ("num_key_value_heads", args.num_kv_heads)):
         if value % tp_size:
             raise ValueError(f"{name}={value} must be divisible by tp={tp_size}")
-    recompute_kw = (
-        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        if recompute else {}
-    )
+    if recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"recompute_granularity={recompute_granularity!r}: choose one of "
+                         f"{list(RECOMPUTE_GRANULARITIES)}")
+    recompute_kw = {}
+    if recompute and recompute_granularity == "full":
+        recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute:
+        recompute_kw = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    uneven_kw = {}
+    if pp_size > 1:  # megatron rejects these keys without pipeline parallelism
+        uneven_kw = dict(num_layers_in_first_pipeline_stage=first_stage_layers,
+                         num_layers_in_last_pipeline_stage=last_stage_layers)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -50,6 +72,7 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
+        sequence_parallel=sequence_parallel and tp_size > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -60,28 +83,45 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
         use_cpu_initialization=not on_gpu,
         bias_dropout_fusion=fused,
         masked_softmax_fusion=fused,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=gradient_accumulation_fusion,
         persist_layer_norm=fused,
         apply_rope_fusion=fused,
         **recompute_kw,
+        **uneven_kw,
     )
 
 
 def layer_spec(use_te: bool) -> ModuleSpec:
-    """TransformerEngine's spec when TE is usable, else the local spec + THD CPU attention."""
+    """TransformerEngine's spec when TE is usable, else the local spec + THD CPU attention
+    and an RMSNorm that supports sequence parallelism (model/norm.py says why)."""
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = CPUCoreAttention
+    spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     return spec
 
 
+def block_spec(config: TransformerConfig, use_te: bool, pp_rank: int) -> ModuleSpec:
+    """One pipeline stage's decoder. With the local spec the final norm is named here:
+    given a bare layer spec, TransformerBlock picks its module-global ``LayerNormImpl``
+    (WrappedTorchNorm without TE/apex, which refuses sequence parallelism)."""
+    layer = layer_spec(use_te)
+    if use_te:
+        return layer
+    n = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[layer] * n, layer_norm=SequenceParallelRMSNorm))
+
+
 def build_gpt_model(args: ModelArgs, config: TransformerConfig, *, padded_vocab: int, use_te: bool,
-                    pre_process: bool, post_process: bool, pg_collection=None) -> GPTModel:
+                    pre_process: bool, post_process: bool, pp_rank: int = 0,
+                    pg_collection=None) -> GPTModel:
     """The GPTModel for one pipeline stage (architecture only; parallelism is in config)."""
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te),
+        transformer_layer_spec=block_spec(config, use_te, pp_rank),
         vocab_size=padded_vocab,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
