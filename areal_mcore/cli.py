@@ -123,6 +123,46 @@ def add_train_parsers(sub) -> None:
                                   "trainer.total_steps=20 actor.optimizer.lr=1e-5")
         p.add_argument("--config", required=True, help="YAML file under configs/")
         p.add_argument("overrides", nargs="*", help="a.b.c=value overrides, applied after the file")
+        p.add_argument("--no-plan-check", action="store_true",
+                       help="start even when `areal-mcore plan` says the config does not fit in GPU memory")
+
+
+def add_plan_parsers(sub) -> None:
+    from areal_mcore.plan import GPUS_GB
+
+    p = sub.add_parser(
+        "plan", help="will the config fit in GPU memory? per trainer rank and rollout server",
+        description="Predict the memory of every trainer rank (weights, main params, grads, optimizer "
+                    "shard, activations of the micro-batches in flight, logits, weight-sync buffers, "
+                    "margin) and of a rollout server (weights, KV-cache tokens, sequences that fit). "
+                    "Exit status 0 when everything fits, 1 when not (with the knobs that would fix it).",
+        epilog="example: areal-mcore plan --config configs/boba_32b_ppo.yaml --gpu h100 actor.recompute=false")
+    p.add_argument("--config", required=True, help="YAML file under configs/")
+    p.add_argument("overrides", nargs="*", help="a.b.c=value overrides, applied after the file")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--gpu-memory-gb", type=float, help="memory per GPU (default: plan.gpu_memory_gb)")
+    size.add_argument("--gpu", choices=sorted(GPUS_GB), help="memory per GPU of a known GPU")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run_plan(a) -> int:
+    from areal_mcore.config import load_config
+    from areal_mcore.plan import GPUS_GB, format_table, make_plan, to_json
+
+    cfg = load_config(a.config, a.overrides)
+    plan = make_plan(cfg, GPUS_GB[a.gpu] if a.gpu else a.gpu_memory_gb)
+    print(json.dumps(to_json(plan), indent=1) if a.json else format_table(plan))
+    return 0 if plan.fits else 1
+
+
+def refuse_unplanned(cfg, command: str) -> bool:
+    """Prints the plan and returns True when ``cfg`` cannot fit (before anything starts)."""
+    from areal_mcore.plan import refusal
+
+    why = refusal(cfg)
+    if why:
+        print(f"areal-mcore {command}: {why}", file=sys.stderr)
+    return why is not None
 
 
 def _init_distributed() -> None:
@@ -144,7 +184,10 @@ def _init_distributed() -> None:
 def run_train(a) -> int:
     from areal_mcore.config import load_config
 
-    cfg = load_config(a.config, a.overrides)  # config errors surface before any process group
+    overrides = a.overrides + (["plan.check=false"] if a.no_plan_check else [])
+    cfg = load_config(a.config, overrides)  # config errors surface before any process group
+    if refuse_unplanned(cfg, a.command):  # ... and a config that cannot fit, before any server
+        return 2
     _init_distributed()
     if a.command == "sft":
         from areal_mcore.trainer.sft import run_sft
@@ -302,10 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     add_train_parsers(sub)
     add_eval_parsers(sub)
     add_launch_parsers(sub)
+    add_plan_parsers(sub)
     a = parser.parse_args(argv)
     try:
         return {"convert": run_convert, "filter": run_filter, "train": run_train,
-                "sft": run_train, "eval": run_eval, "launch": run_launch}[a.command](a)
+                "sft": run_train, "eval": run_eval, "launch": run_launch, "plan": run_plan}[a.command](a)
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"areal-mcore {a.command}: error: {e}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from areal_mcore.algo.normalize import LEVELS as NORM_LEVELS
 from areal_mcore.data.jsonl import DatasetConfig
 from areal_mcore.kernels import KERNEL_CHOICES as KERNELS
 from areal_mcore.launcher.config import LaunchConfig
+from areal_mcore.plan.config import PlanConfig
 from areal_mcore.reward.pool import RewardPoolConfig
 from areal_mcore.rollout.controller import RolloutConfig
 from areal_mcore.rollout.launcher import ServerConfig
@@ -323,6 +324,7 @@ class ExperimentConfig:
     trainer: TrainerConfig | None = None
     sft: SFTConfig | None = None
     launch: LaunchConfig = field(default_factory=LaunchConfig)  # Slurm (launcher/slurm.py)
+    plan: PlanConfig = field(default_factory=PlanConfig)  # memory planner (areal-mcore plan)
 
     def __post_init__(self):
         r, s = self.rollout, self.server

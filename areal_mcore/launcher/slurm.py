@@ -294,6 +294,16 @@ def serve(config: str, overrides: list[str], index: int, host: str, rendezvous: 
 _EARLY_USR2: list[int] = []
 
 
+def _refused_by_plan(config: str, overrides: list[str]) -> bool:
+    from areal_mcore.config import load_config
+    from areal_mcore.plan import refusal
+
+    why = refusal(load_config(config, overrides))
+    if why:
+        print(f"[launcher] {why}", file=sys.stderr)
+    return why is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     # First thing: Slurm's time-limit signal can come before the launcher is ready, and
     # SIGUSR2's default action would end the job.
@@ -308,12 +318,18 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--index", type=int, required=True)
     serve_p.add_argument("--host", required=True)
     serve_p.add_argument("--rendezvous", type=Path, required=True)
+    run.add_argument("--no-plan-check", action="store_true",
+                     help="start even when the memory planner says the config does not fit")
     a = p.parse_args(argv)
     if a.command == "serve":
         serve(a.config, a.overrides, a.index, a.host, a.rendezvous)
         return 0
     try:
-        launcher = Launcher(a.config, a.overrides)
+        # plan.check=false travels with the overrides to the trainer step, which checks too.
+        overrides = a.overrides + (["plan.check=false"] if a.no_plan_check else [])
+        if _refused_by_plan(a.config, overrides):  # before any server is started
+            return 2
+        launcher = Launcher(a.config, overrides)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"[launcher] error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,44 @@
+"""The architecture the planner sizes: model_path's config.json, else a known model by name.
+
+Planning happens before a run (often on a login node without the weights), so the boba
+models' shapes are listed here, copied from their public HF ``config.json`` files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from areal_mcore.model.args import ModelArgs
+
+
+def _qwen2(hidden, layers, heads, kv, ffn, vocab, tie):
+    return dict(model_type="qwen2", hidden_size=hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=ffn,
+                vocab_size=vocab, tie_word_embeddings=tie, rms_norm_eps=1e-6,
+                rope_theta=10000.0, max_position_embeddings=131072)
+
+
+KNOWN = {
+    "DeepSeek-R1-Distill-Qwen-1.5B": _qwen2(1536, 28, 12, 2, 8960, 151936, False),
+    "DeepSeek-R1-Distill-Qwen-7B": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
+    "DeepSeek-R1-Distill-Qwen-14B": _qwen2(5120, 48, 40, 8, 13824, 152064, False),
+    "DeepSeek-R1-Distill-Qwen-32B": _qwen2(5120, 64, 40, 8, 27648, 152064, False),
+}
+
+
+def resolve_architecture(model_path: str | None, name: str | None) -> tuple[ModelArgs, str]:
+    """(args, where they came from). ``name`` (plan.architecture) wins over the path."""
+    if name is None and model_path is not None:
+        config = Path(model_path) / "config.json"
+        if config.is_file():
+            return ModelArgs.from_hf(SimpleNamespace(**json.loads(config.read_text()))), str(config)
+        name = Path(model_path).name if Path(model_path).name in KNOWN else None
+    if name is None:
+        raise ValueError(f"the planner needs the architecture: model_path={model_path!r} has no "
+                         f"config.json; set plan.architecture to one of {sorted(KNOWN)}")
+    if name not in KNOWN:
+        raise ValueError(f"plan.architecture={name!r} is not known; choose one of {sorted(KNOWN)} "
+                         f"or point model_path at an HF folder")
+    return ModelArgs.from_hf(SimpleNamespace(**KNOWN[name])), f"plan/architectures.py:{name}"

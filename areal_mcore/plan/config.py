@@ -1,0 +1,27 @@
+"""The ``plan`` section: what the memory planner assumes about the GPUs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Usable device memory as the CUDA runtime reports it (torch.cuda.get_device_properties).
+GPUS_GB = {"h100": 79.6, "h200": 139.8, "a100": 79.3, "a100-40gb": 39.4}
+
+
+@dataclass(kw_only=True)
+class PlanConfig:
+    """``areal-mcore plan`` and the check that train/sft/the Slurm launcher run first."""
+
+    # Refuse to start a config the planner says does not fit (``--no-plan-check`` sets false).
+    check: bool = True
+    gpu_memory_gb: float = 79.6  # per GPU, trainer and rollout servers (an 80 GB H100)
+    # Kept free on every trainer GPU: CUDA context and NCCL buffers (~1-2 GB), allocator
+    # fragmentation of long variable-length micro-batches.
+    margin_gb: float = 5.0
+    # The architecture when model_path has no config.json yet (e.g. an SFT output): a name
+    # from plan/architectures.py, e.g. DeepSeek-R1-Distill-Qwen-32B.
+    architecture: str | None = None
+
+    def __post_init__(self):
+        if self.gpu_memory_gb <= 0 or self.margin_gb < 0:
+            raise ValueError("gpu_memory_gb must be > 0 and margin_gb >= 0")

@@ -1,0 +1,211 @@
+"""The memory arithmetic: bytes per trainer rank (per pipeline stage) and per rollout server.
+
+Legend: T = tokens of a micro-batch, h = hidden size, q = query width (heads x head_dim),
+kv = key/value width, f = FFN size, Vp = padded vocab, t = TP, s = t under sequence
+parallelism else 1, b = bytes of the model dtype.
+
+Saved activations per layer and token (elements), as megatron's layers save them:
+- ``te`` (TransformerEngine spec + flash attention, the GPU path): the two norm inputs
+  and normalised outputs 4h/s (TE saves its linear inputs before the SP all-gather and
+  gathers again in the backward), flash attention's q, k, v and output (2q + 2kv)/t,
+  SwiGLU's fc1 output, silu output and fc2 input 4f/t. Korthikanti et al. 2022's count
+  (34·h per token without dropout masks and with flash attention) for this architecture.
+- ``local`` (the local spec on CPU, measured with ``actor.memory.SavedActivationMeter``):
+  torch's composite RMSNorm saves input, normalised input and output (3h+1 each, /s),
+  math SDPA saves q, the GQA-repeated k and v and the output (4q/t) plus one softmax
+  matrix per head (Hq/t · L per token, L the token's sequence length), RoPE's cos/sin
+  (4·head_dim per token, not sharded), SwiGLU 5f/t.
+Full recompute (megatron ``uniform``, one layer per checkpoint) keeps only each layer's
+input (h/s) and rebuilds one layer at a time in the backward; selective recompute
+(``core_attn``) keeps only the attention inputs and output.
+1F1B keeps ``pp - stage`` micro-batches in flight on a stage (megatron's warm-up count
+pp - rank - 1, plus the one in its steady state); the last stage also holds the logits
+[T, Vp/t] (saved by the logprob kernel) and, in the backward, their gradient.
+Model state per rank with megatron's DistributedOptimizer and our DDP settings
+(grad_reduce_in_fp32): weights b·N, fp32 grad buffer 4N, fp32 main params 4N/dp (when b
+< 4) and Adam moments 8N/dp, N = parameters on this TP rank of this stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal_mcore.model.args import ModelArgs, padded_vocab_size, stage_layer_counts
+
+GiB = 1024**3
+PATHS = ("te", "local")
+
+
+@dataclass(frozen=True)
+class TrainerShape:
+    """Everything about the trainer that changes its memory (no config objects: the
+    calibration test builds these directly)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    recompute: bool = False
+    recompute_granularity: str = "full"
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    tokens_per_mb: int = 4096
+    # Sequence lengths in a micro-batch (the local path's attention is quadratic in them);
+    # None: one sequence filling the micro-batch (the worst case).
+    seqlens: tuple[int, ...] | None = None
+    n_micro_batches: int | None = None  # None: at least pp (every stage fills its 1F1B window)
+    dtype_bytes: int = 2
+    path: str = "te"
+    vocab_divisible_by: int = 128
+    weight_sync_bytes: int = 0
+    margin_bytes: int = 0
+
+    @property
+    def s(self) -> int:
+        return self.tp if self.sequence_parallel and self.tp > 1 else 1
+
+
+@dataclass
+class RankPlan:
+    """One rank's terms in bytes (name -> bytes) and how they were counted."""
+
+    where: str
+    terms: dict[str, float]
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+def stage_params(args: ModelArgs, shape: TrainerShape, stage: int) -> int:
+    """Parameters on one TP rank of ``stage``."""
+    h, t = args.hidden_size, shape.tp
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    layer = (h * (q + 2 * kv) + (q + 2 * kv) * args.qkv_bias + q * h + 3 * h * args.ffn_hidden_size) // t + 2 * h
+    layers = stage_layer_counts(args.num_layers, shape.pp, shape.first_stage_layers, shape.last_stage_layers)
+    vocab = padded_vocab_size(args.vocab_size, t, shape.vocab_divisible_by) * h // t
+    n = layers[stage] * layer
+    if stage == 0:
+        n += vocab
+    if stage == shape.pp - 1:
+        # The LM head: its own weight, or megatron's copy of a tied embedding on a last
+        # stage that is not also the first.
+        n += h + (vocab if not args.tie_word_embeddings or shape.pp > 1 else 0)
+    return n
+
+
+def _mean_seqlen_weight(shape: TrainerShape) -> float:
+    """Σ Lᵢ² / T: the per-token length a quadratic attention pays for."""
+    lens = shape.seqlens or (shape.tokens_per_mb,)
+    return sum(n * n for n in lens) / sum(lens)
+
+
+def layer_elements(args: ModelArgs, shape: TrainerShape, *, full: bool = False) -> float:
+    """Saved activation elements per token of one layer (``full``: ignore recompute)."""
+    h, t, s, f = args.hidden_size, shape.tp, shape.s, args.ffn_hidden_size
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    recompute = shape.recompute and not full
+    if recompute and shape.recompute_granularity == "full":
+        return h / s  # the checkpointed layer input
+    selective = recompute and shape.recompute_granularity == "selective"
+    if shape.path == "te":
+        return 4 * h / s + (2 * q + 2 * kv + 4 * f) / t
+    attention = (2 * q + 2 * kv) / t if selective else (
+        4 * q / t + args.num_heads / t * _mean_seqlen_weight(shape))
+    return (6 * h + 2) / s + attention + 4 * args.head_dim + 5 * f / t
+
+
+def head_elements(args: ModelArgs, shape: TrainerShape) -> float:
+    """Saved elements per token of the last stage's final norm, LM head and logprob."""
+    vp = padded_vocab_size(args.vocab_size, shape.tp, shape.vocab_divisible_by) // shape.tp
+    h = args.hidden_size
+    norm = 2 * h if shape.path == "te" else 3 * h + 1
+    return norm / shape.s + vp + 12  # + int64 targets, lse, mean_z per token
+
+
+def stage_activation_bytes(args: ModelArgs, shape: TrainerShape, stage: int) -> tuple[float, float, str]:
+    """(saved bytes at the peak, transient bytes of the backward, note) for one stage."""
+    b, T = shape.dtype_bytes, shape.tokens_per_mb
+    layers = stage_layer_counts(args.num_layers, shape.pp, shape.first_stage_layers,
+                                shape.last_stage_layers)[stage]
+    window = shape.pp - stage
+    in_flight = min(window, shape.n_micro_batches) if shape.n_micro_batches else window
+    per_mb = layers * layer_elements(args, shape) * T * b
+    if stage == 0:
+        per_mb += 8 * T  # the embedding's int64 token ids
+    saved = in_flight * per_mb
+    transient = 0.0
+    if stage == shape.pp - 1:
+        saved += head_elements(args, shape) * T * b  # one micro-batch: 1F1B's last stage turns around
+        vp = padded_vocab_size(args.vocab_size, shape.tp, shape.vocab_divisible_by) // shape.tp
+        transient += T * vp * b  # d logits in the backward, next to the saved logits
+    if shape.recompute and shape.recompute_granularity == "full":
+        transient += layer_elements(args, shape, full=True) * T * b  # one layer rebuilt at a time
+    note = f"{in_flight} micro-batch(es) of {T} tokens in flight x {layers} layers"
+    return saved, transient, note
+
+
+def trainer_rank(args: ModelArgs, shape: TrainerShape, stage: int) -> RankPlan:
+    """The terms of one TP rank of ``stage``."""
+    n = stage_params(args, shape, stage)
+    b = shape.dtype_bytes
+    saved, transient, note = stage_activation_bytes(args, shape, stage)
+    last = stage == shape.pp - 1
+    terms = {
+        "weights": n * b,
+        "grads": 4.0 * n,
+        "main_params": 4.0 * n / shape.dp if b < 4 else 0.0,
+        "optimizer": 8.0 * n / shape.dp,
+        "activations": saved,
+        "backward_transient": transient,
+        "weight_sync": float(shape.weight_sync_bytes),
+        "margin": float(shape.margin_bytes),
+    }
+    notes = {"weights": f"{n / 1e9:.3f} B params", "activations": note + (" + logits" if last else "")}
+    return RankPlan(where=f"trainer stage {stage}", terms=terms, notes=notes)
+
+
+def trainer_plan(args: ModelArgs, shape: TrainerShape) -> list[RankPlan]:
+    """One RankPlan per pipeline stage (the TP ranks of a stage hold the same)."""
+    if shape.path not in PATHS:
+        raise ValueError(f"path={shape.path!r}: choose one of {list(PATHS)}")
+    return [trainer_rank(args, shape, stage) for stage in range(shape.pp)]
+
+
+@dataclass(frozen=True)
+class ServerShape:
+    tp: int
+    n_servers: int
+    mem_fraction_static: float
+    gpu_bytes: float
+    sequence_tokens: int  # prompt + max_new_tokens, capped at the context length
+    concurrent_sequences: int  # over all servers: max_concurrent_rollouts x n_samples
+    dtype_bytes: int = 2
+
+
+def server_plan(args: ModelArgs, shape: ServerShape) -> dict:
+    """One SGLang server: weights per GPU and the KV-cache left at mem_fraction_static.
+
+    SGLang sizes its KV pool as mem_fraction_static x GPU memory minus the weights
+    (``model_runner.profile_max_num_token``); KV heads are split over TP, replicated
+    when TP exceeds them. A sequence of ``sequence_tokens`` needs that many KV slots.
+    """
+    t, b = shape.tp, shape.dtype_bytes
+    weights = _total_params(args) * b / t
+    kv_heads = max(1, args.num_kv_heads // t)
+    kv_per_token = 2 * args.num_layers * kv_heads * args.head_dim * b
+    pool = shape.mem_fraction_static * shape.gpu_bytes - weights
+    tokens = max(0, int(pool // kv_per_token))
+    fit = tokens // shape.sequence_tokens
+    wanted = -(-shape.concurrent_sequences // shape.n_servers)
+    return {"where": "rollout server", "n_servers": shape.n_servers, "tp": t, "weights_per_gpu": weights, "kv_pool_per_gpu": max(pool, 0.0),
+            "kv_bytes_per_token": kv_per_token, "kv_tokens": tokens, "sequences_fit": fit,
+            "sequences_configured": wanted, "fits": pool > 0 and fit >= max(1, wanted)}
+
+
+def _total_params(args: ModelArgs) -> int:
+    h, q, kv = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    layer = h * (q + 2 * kv) + (q + 2 * kv) * args.qkv_bias + q * h + 3 * h * args.ffn_hidden_size + 2 * h
+    embed = args.vocab_size * h
+    return args.num_layers * layer + embed * (1 if args.tie_word_embeddings else 2) + h

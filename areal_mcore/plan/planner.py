@@ -1,0 +1,181 @@
+"""``ExperimentConfig`` -> the memory plan, its verdict and the fixes that would make it fit.
+
+The config is read as a run would use it: the trainer's TP/PP from ``actor.parallel``, its
+DP from ``launch.allocation`` (the Slurm recipes set it; 1 otherwise, the conservative
+case: nothing sharded), the servers from ``server`` and ``rollout``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from areal_mcore.launcher.allocation import parse_allocation
+from areal_mcore.model.args import ModelArgs
+from areal_mcore.plan.architectures import resolve_architecture
+from areal_mcore.plan.memory import (
+    GiB,
+    RankPlan,
+    ServerShape,
+    TrainerShape,
+    server_plan,
+    trainer_plan,
+)
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Plan:
+    architecture: str
+    gpu_bytes: float
+    dp: int
+    trainer: list[RankPlan]
+    server: dict | None
+    fixes: list[dict] = field(default_factory=list)
+
+    @property
+    def peak(self) -> RankPlan:
+        return max(self.trainer, key=lambda r: r.total)
+
+    @property
+    def trainer_fits(self) -> bool:
+        return self.peak.total <= self.gpu_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.trainer_fits and (self.server is None or self.server["fits"])
+
+
+def trainer_dp(cfg) -> int:
+    """DP of the trainer from launch.allocation, when it describes this actor's TP x PP."""
+    alloc = parse_allocation(cfg.launch.allocation)
+    p = cfg.actor.parallel
+    if (alloc.trainer.t, alloc.trainer.p) == (p.tp, p.pp):
+        return alloc.trainer.d
+    return 1
+
+
+def trainer_shape(cfg, gpu_bytes: float) -> TrainerShape:
+    a, p = cfg.actor, cfg.actor.parallel
+    sync = 2 * cfg.weight_sync.bucket_mb * 2**20 if cfg.rollout is not None else 0  # gathered + flat bucket
+    return TrainerShape(
+        tp=p.tp, pp=p.pp, dp=trainer_dp(cfg), sequence_parallel=p.use_sequence_parallel,
+        recompute=a.recompute, recompute_granularity=a.recompute_granularity,
+        first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
+        tokens_per_mb=a.mb_spec.max_tokens_per_mb, dtype_bytes=_DTYPE_BYTES[a.dtype],
+        path="local" if a.layer_spec == "local" else "te", vocab_divisible_by=a.vocab_divisible_by,
+        weight_sync_bytes=int(sync), margin_bytes=int(cfg.plan.margin_gb * GiB))
+
+
+def server_shape(cfg, gpu_bytes: float) -> ServerShape | None:
+    if cfg.rollout is None or cfg.server is None or cfg.server.backend != "sglang":
+        return None  # the embedded server runs on CPU: no GPU memory to plan
+    r, s = cfg.rollout, cfg.server
+    prompt = cfg.trainer.max_prompt_tokens if cfg.trainer else 0
+    # The Slurm launcher starts launch.allocation's rollout side (d servers of TP t) and
+    # overrides server.tp_size with it; elsewhere server.n_servers / tp_size hold.
+    side = parse_allocation(cfg.launch.allocation).rollout
+    n, tp = (side.d, side.t) if side is not None and side.backend == "sglang" else (s.n_servers, s.tp_size)
+    return ServerShape(tp=tp, n_servers=n, mem_fraction_static=s.mem_fraction_static,
+                       gpu_bytes=gpu_bytes, sequence_tokens=min(s.context_length, prompt + r.max_new_tokens),
+                       concurrent_sequences=r.max_concurrent_rollouts * r.n_samples,
+                       dtype_bytes=_DTYPE_BYTES[s.dtype])
+
+
+def make_plan(cfg, gpu_memory_gb: float | None = None, *, with_fixes: bool = True) -> Plan:
+    """The plan of ``cfg`` on GPUs of ``gpu_memory_gb`` (default: plan.gpu_memory_gb)."""
+    gpu_bytes = (gpu_memory_gb or cfg.plan.gpu_memory_gb) * GiB
+    args, source = resolve_architecture(cfg.model_path, cfg.plan.architecture)
+    shape = server_shape(cfg, gpu_bytes)
+    plan = Plan(architecture=source, gpu_bytes=gpu_bytes, dp=trainer_dp(cfg),
+                trainer=trainer_plan(args, trainer_shape(cfg, gpu_bytes)),
+                server=server_plan(args, shape) if shape else None)
+    if with_fixes and not plan.fits:
+        plan.fixes = fixes(cfg, args, plan, gpu_memory_gb)
+    return plan
+
+
+def _replace(cfg, dotted: str, value):
+    """``cfg`` with one dotted key changed (the nested dataclasses re-validate)."""
+    head, _, rest = dotted.partition(".")
+    inner = _replace(getattr(cfg, head), rest, value) if rest else value
+    return dataclasses.replace(cfg, **{head: inner})
+
+
+def _candidates(cfg, args: ModelArgs, plan: Plan) -> list[tuple[str, list[tuple[str, object]]]]:
+    """(part fixed: "trainer" | "server", overrides) for every knob worth trying."""
+    a, p = cfg.actor, cfg.actor.parallel
+    out: list[tuple[str, list[tuple[str, object]]]] = []
+    if not plan.trainer_fits:
+        if not a.recompute:
+            out.append(("trainer", [("actor.recompute", True)]))
+        if p.tp > 1 and not p.use_sequence_parallel:
+            out.append(("trainer", [("actor.parallel.sequence_parallel", "true")]))
+            if not a.recompute:
+                out.append(("trainer", [("actor.recompute", True), ("actor.parallel.sequence_parallel", "true")]))
+        longest = (cfg.trainer.max_prompt_tokens if cfg.trainer else 0) + (
+            cfg.rollout.max_new_tokens if cfg.rollout else 0)
+        cap = a.mb_spec.max_tokens_per_mb // 2
+        while cap >= max(longest, 1024):  # a micro-batch must hold the longest sequence
+            out.append(("trainer", [("actor.mb_spec.max_tokens_per_mb", cap)]))
+            cap //= 2
+        if args.num_layers % (2 * p.pp) == 0:
+            out.append(("trainer", [("actor.parallel.pp", 2 * p.pp)]))
+        if 2 * p.tp <= 8 and args.num_kv_heads % (2 * p.tp) == 0:
+            out.append(("trainer", [("actor.parallel.tp", 2 * p.tp)]))
+    s = plan.server
+    if s is not None and not s["fits"]:
+        if s["sequences_fit"] > 0:
+            groups = s["sequences_fit"] * s["n_servers"] // cfg.rollout.n_samples
+            if groups >= 1:
+                out.append(("server", [("rollout.max_concurrent_rollouts", groups)]))
+        if 2 * s["tp"] <= 8 and parse_allocation(cfg.launch.allocation).rollout is None:
+            out.append(("server", [("server.tp_size", 2 * s["tp"])]))
+    return out
+
+
+def fixes(cfg, args: ModelArgs, plan: Plan, gpu_memory_gb: float | None) -> list[dict]:
+    """Each candidate change with its predicted trainer peak and whether the part it
+    addresses (trainer or rollout server) then fits.
+
+    TP/PP changes keep the trainer's GPU count, so DP shrinks with them (launch.allocation
+    is rewritten to match); the other knobs leave the allocation as it is."""
+    out = []
+    for part, change in _candidates(cfg, args, plan):
+        new = cfg
+        for key, value in change:
+            new = _replace(new, key, value)
+        if any(k in ("actor.parallel.tp", "actor.parallel.pp") for k, _ in change):
+            new = _rescale_allocation(cfg, new)
+            if new is None:
+                continue
+        try:
+            after = make_plan(new, gpu_memory_gb, with_fixes=False)
+        except ValueError:
+            continue
+        out.append({"overrides": [f"{k}={_yaml(v)}" for k, v in change]
+                    + ([f"launch.allocation={new.launch.allocation}"]
+                       if new.launch.allocation != cfg.launch.allocation else []),
+                    "part": part, "trainer_peak_gib": round(after.peak.total / GiB, 1),
+                    "fits": after.trainer_fits if part == "trainer" else bool(after.server and after.server["fits"]),
+                    "all_fit": after.fits})
+    return out
+
+
+def _rescale_allocation(old, new):
+    alloc = parse_allocation(old.launch.allocation)
+    t, p = alloc.trainer, old.actor.parallel
+    if (t.t, t.p) != (p.tp, p.pp):
+        return new  # DP unknown (1) either way
+    n = new.actor.parallel
+    gpus = t.gpus
+    if gpus % (n.tp * n.pp):
+        return None
+    trainer = f"megatron:d{gpus // (n.tp * n.pp)}" + (f"p{n.pp}" if n.pp > 1 else "") + (f"t{n.tp}" if n.tp > 1 else "")
+    text = f"{alloc.rollout}+{trainer}" if alloc.rollout else trainer
+    return _replace(new, "launch.allocation", text)
+
+
+def _yaml(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)

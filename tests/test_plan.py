@@ -1,0 +1,139 @@
+"""`areal-mcore plan`: the boba configs fit 80 GB, a config that cannot fit is refused
+before anything starts, and the arithmetic follows megatron's layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from areal_mcore.cli import main
+from areal_mcore.config import load_config
+from areal_mcore.plan import TrainerShape, make_plan, trainer_plan
+from areal_mcore.plan.architectures import resolve_architecture
+from areal_mcore.plan.memory import GiB, server_plan, stage_params
+from areal_mcore.plan.planner import server_shape
+
+BOBA = ["boba_1.5b", "boba_7b", "boba_32b_ppo", "boba_32b_sft"]
+TOO_BIG = ["actor.recompute=false", "actor.parallel.sequence_parallel=false"]
+
+
+@pytest.mark.parametrize("name", BOBA)
+def test_plan_boba_configs_fit_80gb(name, capsys):
+    assert main(["plan", "--config", f"configs/{name}.yaml", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: fits" in out and "trainer stage 0" in out and "peak trainer rank" in out
+
+
+def test_plan_32b_without_recompute_and_sp_does_not_fit_and_names_the_fixes(capsys):
+    assert main(["plan", "--config", "configs/boba_32b_ppo.yaml", *TOO_BIG]) == 1
+    out = capsys.readouterr().out
+    assert "verdict: does NOT fit" in out
+    assert "fix (trainer): actor.recompute=true ->" in out
+    assert "actor.parallel.sequence_parallel=true ->" in out
+    assert main(["plan", "--config", "configs/boba_32b_ppo.yaml", "--json", *TOO_BIG]) == 1
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is False and plan["peak_rank"] == "trainer stage 0"  # 4 micro-batches in flight
+    fixes = {tuple(f["overrides"]): f for f in plan["fixes"]}
+    both = fixes[("actor.recompute=true", "actor.parallel.sequence_parallel=true")]
+    assert both["fits"] and both["trainer_peak_gib"] < plan["peak_gib"] / 4
+    assert [r["rank"] for r in plan["trainer"]] == [f"trainer stage {s}" for s in range(4)]
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_train_refuses_a_config_that_cannot_fit_before_starting(command, capsys, monkeypatch):
+    import areal_mcore.cli as cli
+
+    monkeypatch.setattr(cli, "_init_distributed", lambda: pytest.fail("started despite the plan"))
+    config = "configs/boba_32b_ppo.yaml" if command == "train" else "configs/boba_32b_sft.yaml"
+    overrides = TOO_BIG if command == "train" else ["actor.recompute=false", "actor.parallel.tp=2",
+                                                    "launch.allocation=megatron:d1p4t2"]
+    assert main([command, "--config", config, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to start" in err and "--no-plan-check" in err and "fix (trainer)" in err
+
+
+def test_no_plan_check_lets_the_run_start(monkeypatch):
+    import areal_mcore.cli as cli
+
+    class Started(Exception):
+        pass
+
+    def started():
+        raise Started
+
+    monkeypatch.setattr(cli, "_init_distributed", started)
+    with pytest.raises(Started):
+        main(["train", "--config", "configs/boba_32b_ppo.yaml", "--no-plan-check", *TOO_BIG])
+
+
+def test_slurm_launcher_refuses_before_any_server(monkeypatch, capsys):
+    from areal_mcore.launcher import slurm
+
+    monkeypatch.setattr(slurm, "Launcher", lambda *a, **k: pytest.fail("launcher built despite the plan"))
+    assert slurm.main(["run", "--config", "configs/boba_32b_ppo.yaml", *TOO_BIG]) == 2
+    assert "refusing to start" in capsys.readouterr().err
+
+
+def test_tiny_cpu_config_passes_the_check():
+    from areal_mcore.plan import refusal
+
+    assert refusal(load_config("configs/tiny_cpu.yaml")) is None  # no model yet: not refused
+
+
+def test_stage_params_sum_to_the_hf_parameter_count():
+    # 7B at TP 1, PP 1 must count exactly the HF model's 7,615,616,512 parameters
+    # (Qwen2-7B shapes; vocab 152064 is already a multiple of 128).
+    args, _ = resolve_architecture(None, "DeepSeek-R1-Distill-Qwen-7B")
+    assert stage_params(args, TrainerShape(), 0) == 7_615_616_512
+    # TP 2 halves everything but the norms; PP 2 splits it into two stages that add up.
+    two = TrainerShape(pp=2)
+    assert stage_params(args, two, 0) + stage_params(args, two, 1) == 7_615_616_512
+    norms = (2 * args.num_layers + 1) * args.hidden_size
+    assert stage_params(args, TrainerShape(tp=2), 0) * 2 - norms == 7_615_616_512
+
+
+def test_pipeline_stages_hold_pp_minus_stage_micro_batches():
+    args, _ = resolve_architecture(None, "DeepSeek-R1-Distill-Qwen-32B")
+    ranks = trainer_plan(args, TrainerShape(tp=8, pp=4, tokens_per_mb=30720))
+    acts = [r.terms["activations"] for r in ranks]
+    per_mb = acts[1] / 3
+    assert acts[0] == pytest.approx(4 * per_mb, rel=1e-3) and acts[2] == pytest.approx(2 * per_mb, rel=1e-3)
+    # The issue's arithmetic: ~73 KB per token per layer without SP/recompute at TP 8.
+    assert per_mb / 16 / 30720 == pytest.approx(71.7e3, rel=0.02)
+
+
+def test_sequence_parallel_and_recompute_shrink_activations():
+    args, _ = resolve_architecture(None, "DeepSeek-R1-Distill-Qwen-7B")
+    base = dict(tp=2, tokens_per_mb=30720)
+    act = {k: trainer_plan(args, TrainerShape(**base, **kw))[0].terms["activations"]
+           for k, kw in {"none": {}, "sp": {"sequence_parallel": True}, "rc": {"recompute": True}}.items()}
+    assert act["rc"] < act["sp"] < act["none"]
+
+
+def test_uneven_split_moves_layers_off_the_first_stage():
+    args, _ = resolve_architecture(None, "DeepSeek-R1-Distill-Qwen-32B")
+    even = trainer_plan(args, TrainerShape(tp=8, pp=4, tokens_per_mb=30720, recompute=True))
+    uneven = trainer_plan(args, TrainerShape(tp=8, pp=4, tokens_per_mb=30720, recompute=True,
+                                             first_stage_layers=12, last_stage_layers=12))
+    assert uneven[0].terms["weights"] < even[0].terms["weights"]
+    assert uneven[1].terms["weights"] > even[1].terms["weights"]
+
+
+def test_server_kv_capacity_follows_sglang_pool_sizing():
+    cfg = load_config("configs/boba_7b.yaml")
+    args, _ = resolve_architecture(cfg.model_path, None)
+    s = server_plan(args, server_shape(cfg, 80 * GiB))
+    # 28 layers x 4 KV heads x 128 x (K and V) x bf16 = 56 KiB per token on a TP-1 server.
+    assert s["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2
+    pool = 0.9 * 80 * GiB - 7_615_616_512 * 2
+    assert s["kv_tokens"] == int(pool // s["kv_bytes_per_token"])
+    assert s["sequences_fit"] == s["kv_tokens"] // (1024 + 27648)
+    # The config's concurrency is sized to that capacity.
+    assert cfg.rollout.max_concurrent_rollouts * cfg.rollout.n_samples <= s["sequences_fit"] * 16
+
+
+def test_unknown_architecture_names_the_key():
+    cfg = load_config("configs/boba_32b_ppo.yaml", ["plan.architecture=null"])
+    with pytest.raises(ValueError, match="plan.architecture"):
+        make_plan(cfg)
