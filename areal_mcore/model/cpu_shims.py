@@ -28,6 +28,7 @@ def apply_cpu_shims() -> bool:
     _no_op_synchronize()
     _cuda_factories_to_cpu()
     _cuda_type_names()
+    _tied_embedding_setup_on_cpu()
     _APPLIED = True
     return True
 
@@ -178,3 +179,27 @@ def _cuda_type_names() -> None:
         wrapped = _with_cuda_type_names(getattr(clip_grads, name))
         setattr(clip_grads, name, wrapped)
         setattr(optimizer, name, wrapped)
+
+
+def _tied_embedding_setup_on_cpu() -> None:
+    # models/common/language_module/language_module.py: setup_embeddings_and_output_layer
+    # (tied embeddings with PP > 1) zeroes the last stage's copy of the word embedding and
+    # all-reduces it over the embedding group (first + last stage) after
+    # `weight.data = weight.data.cuda()`; on CPU that call raises "Torch not compiled with
+    # CUDA enabled". The all-reduce itself runs on gloo, so `.cuda()` is made the identity
+    # for the duration of that method only. The grads are tied later in
+    # finalize_model_grads (_allreduce_word_embedding_grads), which needs no shim.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    @functools.wraps(original)
+    def setup(self):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *_, **__: t
+        try:
+            return original(self)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup

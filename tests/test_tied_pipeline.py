@@ -1,0 +1,84 @@
+"""Tied embeddings with pipeline parallelism on gloo (the tiny model and Qwen2.5 <= 3B tie
+them): PP=2 trains, exports and syncs exactly like PP=1."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from _actor_setup import VOCAB, ppo_loss, seqs, tiny_actor, train_fields
+from _dist import run_gloo
+from _rollout import embedded_servers, http
+from _tiny_model import tiny_qwen2
+
+from areal_mcore.packing import pack
+
+
+def _train_worker(rank, world, pp, hf_dir):
+    from areal_mcore.convert.save_hf import save_hf
+
+    actor = tiny_actor(pp=pp, cap=24, tie=True)
+    s = seqs()
+    logp = actor.compute_logprobs(pack(s))
+    out = actor.train_batch(pack(s, train_fields(s)), ppo_loss, n_minibatches=2)
+    module = actor.model.module
+    # megatron's tie: the last stage's output layer is a copy that must track the embedding.
+    copy = module.output_layer.weight.detach().clone() if pp > 1 and actor.groups.is_last_stage else None
+    embedding = module.embedding.word_embeddings.weight.detach().clone() if actor.groups.is_first_stage else None
+    save_hf(actor, hf_dir, max_shard_bytes=100_000)
+    return {"loss": out["loss"], "grad_norm": out["grad_norm"], "logp": logp,
+            "hf": actor.hf_state_dict(), "copy": copy, "embedding": embedding}
+
+
+@pytest.fixture(scope="module")
+def pp1(tmp_path_factory):
+    return run_gloo(_train_worker, 1, 1, str(tmp_path_factory.mktemp("pp1")))[0]
+
+
+def test_pp2_tied_embeddings_train_and_export_equal_pp1(pp1, tmp_path):
+    from areal_mcore.convert.tools import load_hf_state_dict
+
+    results = run_gloo(_train_worker, 2, 2, str(tmp_path))
+    hf = {k: v for r in results for k, v in r["hf"].items()}
+    assert set(hf) == set(pp1["hf"]) and "lm_head.weight" not in hf  # tied: HF stores one matrix
+    for r in results:
+        assert r["loss"] == pytest.approx(pp1["loss"], rel=1e-5)
+        assert r["grad_norm"] == pytest.approx(pp1["grad_norm"], rel=1e-5)
+        assert (r["logp"] - pp1["logp"]).abs().max() <= 1e-5
+    for name, ref in pp1["hf"].items():
+        rel = (hf[name] - ref).abs().max() / ref.abs().max()
+        assert rel <= 1e-5, f"{name}: relative difference {rel:.2e}"
+    # After the update the last stage's copy still equals the first stage's embedding.
+    assert torch.equal(results[1]["copy"], results[0]["embedding"])
+    saved = load_hf_state_dict(tmp_path)
+    assert set(saved) == set(hf) and all(torch.equal(saved[k], hf[k]) for k in hf)
+
+
+def _sync_worker(rank, world, address):
+    from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncer
+
+    actor = tiny_actor(pp=2, tie=True)
+    syncer = WeightSyncer(WeightSyncConfig(bucket_mb=0.02, dtype="float32", master_address="127.0.0.1",
+                                           timeout_s=60), actor, [address])
+
+    async def go():
+        await syncer.connect()
+        await syncer.push(7)
+        await syncer.close()
+    asyncio.run(go())
+    return {k: v.clone() for k, v in actor.hf_state_dict().items()}
+
+
+def test_pp2_tied_embeddings_sync_to_a_server_bitwise(tmp_path):
+    _, _, model = tiny_qwen2(21, tie=True, vocab=VOCAB)  # the server starts from other weights
+    model.save_pretrained(tmp_path / "hf")
+    with embedded_servers(str(tmp_path / "hf"), str(tmp_path / "logs"), n=1) as servers:
+        results = run_gloo(_sync_worker, 2, servers[0].address)
+        hf = {k: v for r in results for k, v in r.items()}
+        assert "model.embed_tokens.weight" in hf and "lm_head.weight" not in hf
+        for name, want in hf.items():
+            status, rows = http(servers[0].address, "POST", "/get_weights_by_name",
+                                {"name": name, "truncate_size": want.shape[0]})
+            assert status == 200 and torch.equal(torch.tensor(rows, dtype=torch.float32), want), name
+        assert http(servers[0].address, "GET", "/model_info")[1]["weight_version"] == "7"
