@@ -30,13 +30,16 @@ def ppo_loss(logp, mb, tokens):
                           eps_clip=0.2)
 
 
-def tiny_actor(tp=1, pp=1, cap=4096, tie=False, recompute=False, sp="auto"):
+def tiny_actor(tp=1, pp=1, cap=4096, tie=False, recompute=False, sp="auto", layers=4,
+               first_stage_layers=None):
     from areal_mcore.actor import MegatronActor
 
-    hf_config, state, _ = tiny_qwen2(tie=tie, vocab=VOCAB)
+    hf_config, state, _ = tiny_qwen2(tie=tie, vocab=VOCAB, layers=layers)
     cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=cap),
                       optimizer=OptimizerConfig(lr=1e-3, eps=1e-5, weight_decay=0.01),  # boba eps
-                      parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp), vocab_divisible_by=8, recompute=recompute)
+                      parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp,
+                                              first_stage_layers=first_stage_layers),
+                      vocab_divisible_by=8, recompute=recompute)
     actor = MegatronActor(cfg, hf_config, total_optimizer_steps=2)
     actor.load_hf_state_dict(state)
     return actor

@@ -9,6 +9,7 @@ undoes megatron's own averaging so that these losses add up to the exact token m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from areal_mcore.actor.logprobs import token_logprobs
 from areal_mcore.actor.parallel import ParallelGroups, init_parallel
 from areal_mcore.config import ActorConfig
 from areal_mcore.model import adapter
-from areal_mcore.model.args import ModelArgs, padded_vocab_size
+from areal_mcore.model.args import ModelArgs, padded_vocab_size, stage_layer_counts
 from areal_mcore.model.hf_config import build_gpt_model, transformer_config
 from areal_mcore.packing import (
     PackedBatch,
@@ -49,7 +50,11 @@ class MegatronActor:
     def __init__(self, cfg: ActorConfig, hf_config, *, seed: int = 1, total_optimizer_steps: int = 1):
         self.cfg = cfg
         self.hf_config = hf_config
+        p = cfg.parallel
         self.args = ModelArgs.from_hf(hf_config)
+        if p.first_stage_layers is not None or p.last_stage_layers is not None:
+            self.args = dataclasses.replace(self.args, pipeline_split=tuple(stage_layer_counts(
+                self.args.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers)))
         self.groups: ParallelGroups = init_parallel(cfg.parallel, seed)
         g = self.groups
         found = accel.detect()
@@ -59,7 +64,6 @@ class MegatronActor:
         use_te = {"auto": found.transformer_engine, "local": False, "te": True}[cfg.layer_spec]
         if use_te and not found.transformer_engine:
             raise ValueError("actor.layer_spec=te needs TransformerEngine with CUDA; use auto or local")
-        p = cfg.parallel
         self.config = transformer_config(self.args, tp_size=g.tp_size, pp_size=g.pp_size,
                                          params_dtype=dtype, recompute=cfg.recompute,
                                          recompute_granularity=cfg.recompute_granularity,

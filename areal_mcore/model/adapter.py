@@ -120,7 +120,12 @@ _KINDS = {
 
 
 def stage_layers(args: ModelArgs, pp_rank: int, pp_size: int) -> range:
-    """Global layer indices held by a pipeline stage (equal split, as megatron does)."""
+    """Global layer indices held by a pipeline stage: ``args.pipeline_split`` when it
+    describes ``pp_size`` stages, else an equal split, as megatron does."""
+    split = args.pipeline_split
+    if split is not None and len(split) == pp_size:
+        start = sum(split[:pp_rank])
+        return range(start, start + split[pp_rank])
     per = args.num_layers // pp_size
     return range(pp_rank * per, (pp_rank + 1) * per)
 

@@ -31,6 +31,15 @@ class ModelArgs:
     qkv_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    # Layers per pipeline stage when the split is uneven (actor.parallel.first_stage_layers /
+    # last_stage_layers, megatron's num_layers_in_first/last_pipeline_stage); None: equal.
+    # Not architecture, but every HF <-> megatron name mapping (adapter, weight sync,
+    # export) needs it together with the architecture, so it travels here.
+    pipeline_split: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.pipeline_split is not None:  # a JSON manifest gives a list
+            object.__setattr__(self, "pipeline_split", tuple(self.pipeline_split))
 
     @classmethod
     def from_hf(cls, hf) -> ModelArgs:
