@@ -241,6 +241,15 @@ class ActorConfig:
     # the backward (saves only layer inputs), "selective" only the attention core.
     recompute: bool = False
     recompute_granularity: str = "full"
+    # Megatron throughput switches; the defaults are megatron's and AReaL's (all off).
+    # Overlap the DP grad reduce-scatter with the backward, in buckets.
+    overlap_grad_reduce: bool = False
+    # Overlap the DistributedOptimizer's param all-gather with the next forward (needs
+    # overlap_grad_reduce); the actor completes it before weights leave (sync, export).
+    overlap_param_gather: bool = False
+    # Fuse the weight-gradient GEMM with the accumulation into main_grad (TE / apex
+    # kernels): "auto" = with the TransformerEngine spec on a GPU.
+    gradient_accumulation_fusion: str = "auto"
     # Padded vocab = multiple of this x TP (megatron's make-vocab-size-divisible-by).
     vocab_divisible_by: int = 128
     # "auto": TransformerEngine's spec when TE imports with CUDA, else the local spec.
@@ -254,6 +263,10 @@ class ActorConfig:
         _check_choice("layer_spec", self.layer_spec, LAYER_SPECS)
         _check_choice("logprob_kernel", self.logprob_kernel, KERNELS)
         _check_choice("recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
+        self.gradient_accumulation_fusion = str(self.gradient_accumulation_fusion).lower()
+        _check_choice("gradient_accumulation_fusion", self.gradient_accumulation_fusion, SEQUENCE_PARALLEL)
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError("overlap_param_gather=true needs overlap_grad_reduce=true (megatron's rule)")
         _check_positive("vocab_divisible_by", self.vocab_divisible_by)
 
 

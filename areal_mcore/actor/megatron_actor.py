@@ -44,6 +44,17 @@ from areal_mcore.packing import (
 LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
+def _wgrad_fusion(cfg: ActorConfig, use_te: bool) -> bool:
+    """gradient_accumulation_fusion: megatron's linear layers then call TE's (or apex's
+    ``fused_weight_gradient_mlp_cuda``) wgrad kernel, which the local spec on CPU lacks."""
+    if cfg.gradient_accumulation_fusion == "auto":
+        return use_te
+    if cfg.gradient_accumulation_fusion == "true" and not use_te:
+        raise ValueError("actor.gradient_accumulation_fusion=true needs TransformerEngine with CUDA "
+                         "(the TE layer spec); use auto or false")
+    return cfg.gradient_accumulation_fusion == "true"
+
+
 class MegatronActor:
     """Owns the model, optimizer and LR schedule of one rank; parallelism comes from cfg."""
 
@@ -70,7 +81,8 @@ class MegatronActor:
                                          sequence_parallel=p.use_sequence_parallel,
                                          first_stage_layers=p.first_stage_layers,
                                          last_stage_layers=p.last_stage_layers,
-                                         on_gpu=found.cuda, fused=use_te)
+                                         on_gpu=found.cuda, fused=use_te,
+                                         gradient_accumulation_fusion=_wgrad_fusion(cfg, use_te))
         model = build_gpt_model(self.args, self.config, padded_vocab=self.padded_vocab,
                                 use_te=use_te, pre_process=g.is_first_stage,
                                 post_process=g.is_last_stage, pp_rank=g.pp_rank,
@@ -79,7 +91,8 @@ class MegatronActor:
         self.model = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+                grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                overlap_param_gather=cfg.overlap_param_gather, use_distributed_optimizer=True,
             ),
             module=model,
         )
@@ -326,6 +339,12 @@ class MegatronActor:
                     + "; the optimizer did not step")
             _, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
+            if self.cfg.overlap_param_gather and k == len(minibatches) - 1:
+                # With overlap_param_gather the optimizer step leaves the updated shards
+                # un-gathered until the next forward's pre-hooks
+                # (DistributedDataParallel.start_param_sync); weights leave this actor
+                # (sync, export, checkpoint) after train_batch, so gather them now.
+                self.model.start_param_sync(force_sync=True)
             result["loss"].append(float(loss))
             result["grad_norm"].append(float(grad_norm) if grad_norm is not None else float("nan"))
             result["n_micro_batches"].append(n_mb)

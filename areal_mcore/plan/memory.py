@@ -125,7 +125,11 @@ def head_elements(args: ModelArgs, shape: TrainerShape) -> float:
 
 
 def stage_activation_bytes(args: ModelArgs, shape: TrainerShape, stage: int) -> tuple[float, float, str]:
-    """(saved bytes at the peak, transient bytes of the backward, note) for one stage."""
+    """(peak bytes saved for backward, logits-gradient bytes, note) for one stage.
+
+    The saved peak is the end of the forward (every micro-batch in flight plus, on the last
+    stage, the head) or, with full recompute, the backward of a layer: the checkpoints
+    still waiting plus the one layer rebuilt (the head is freed by then)."""
     b, T = shape.dtype_bytes, shape.tokens_per_mb
     layers = stage_layer_counts(args.num_layers, shape.pp, shape.first_stage_layers,
                                 shape.last_stage_layers)[stage]
@@ -134,23 +138,24 @@ def stage_activation_bytes(args: ModelArgs, shape: TrainerShape, stage: int) -> 
     per_mb = layers * layer_elements(args, shape) * T * b
     if stage == 0:
         per_mb += 8 * T  # the embedding's int64 token ids
-    saved = in_flight * per_mb
-    transient = 0.0
+    forward = in_flight * per_mb
+    head = logits_grad = 0.0
     if stage == shape.pp - 1:
-        saved += head_elements(args, shape) * T * b  # one micro-batch: 1F1B's last stage turns around
+        head = head_elements(args, shape) * T * b  # one micro-batch: 1F1B's last stage turns around
         vp = padded_vocab_size(args.vocab_size, shape.tp, shape.vocab_divisible_by) // shape.tp
-        transient += T * vp * b  # d logits in the backward, next to the saved logits
+        logits_grad = T * vp * b  # d logits in the backward, next to the saved logits
+    peak = forward + head
     if shape.recompute and shape.recompute_granularity == "full":
-        transient += layer_elements(args, shape, full=True) * T * b  # one layer rebuilt at a time
+        peak = max(peak, forward + layer_elements(args, shape, full=True) * T * b)
     note = f"{in_flight} micro-batch(es) of {T} tokens in flight x {layers} layers"
-    return saved, transient, note
+    return peak, logits_grad, note
 
 
 def trainer_rank(args: ModelArgs, shape: TrainerShape, stage: int) -> RankPlan:
     """The terms of one TP rank of ``stage``."""
     n = stage_params(args, shape, stage)
     b = shape.dtype_bytes
-    saved, transient, note = stage_activation_bytes(args, shape, stage)
+    saved, logits_grad, note = stage_activation_bytes(args, shape, stage)
     last = stage == shape.pp - 1
     terms = {
         "weights": n * b,
@@ -158,7 +163,7 @@ def trainer_rank(args: ModelArgs, shape: TrainerShape, stage: int) -> RankPlan:
         "main_params": 4.0 * n / shape.dp if b < 4 else 0.0,
         "optimizer": 8.0 * n / shape.dp,
         "activations": saved,
-        "backward_transient": transient,
+        "logits_grad": logits_grad,
         "weight_sync": float(shape.weight_sync_bytes),
         "margin": float(shape.margin_bytes),
     }
