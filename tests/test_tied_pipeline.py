@@ -82,3 +82,46 @@ def test_pp2_tied_embeddings_sync_to_a_server_bitwise(tmp_path):
                                 {"name": name, "truncate_size": want.shape[0]})
             assert status == 200 and torch.equal(torch.tensor(rows, dtype=torch.float32), want), name
         assert http(servers[0].address, "GET", "/model_info")[1]["weight_version"] == "7"
+
+
+def _ppo_worker(rank, world, overrides):
+    from areal_mcore.config import load_config
+    from areal_mcore.trainer.ppo import train
+
+    return train(load_config(None, overrides))
+
+
+@pytest.mark.slow
+def test_tiny_ppo_run_at_pp2_with_tied_embeddings_equals_pp1(tmp_path):
+    """The new user's command (`train --config configs/tiny_cpu.yaml actor.parallel.pp=2`)
+    in CI size: rollouts, rewards, training, weight sync and the HF export, step for step
+    the numbers of the PP=1 run (the servers sample with the same weights and seeds)."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=16, n_test=4,
+                                                hidden_size=64, intermediate_size=128, num_layers=2))
+
+    def overrides(name, pp):
+        return [f"experiment_name={name}", f"model_path={assets['model']}", f"dataset.path={assets['train']}",
+                "actor.vocab_divisible_by=8", "actor.mb_spec.max_tokens_per_mb=64", f"actor.parallel.pp={pp}",
+                "actor.optimizer.lr=1e-4",
+                "server.model_path=${model_path}", "server.dtype=float32", "weight_sync.dtype=float32",
+                "weight_sync.master_address=127.0.0.1", "reward.num_workers=1", "trainer.batch_size=2",
+                f"trainer.log_dir={tmp_path / 'runs'}", "trainer.progress=false", "trainer.total_steps=2",
+                "rollout.max_new_tokens=12", "rollout.n_samples=2", "ppo.reward_norm.group_size=2",
+                "server.context_length=256", "trainer.tensorboard=false"]
+
+    (one,) = run_gloo(_ppo_worker, 1, overrides("pp1", 1))
+    two = run_gloo(_ppo_worker, 2, overrides("pp2", 2))
+    for ref, row in zip(one, two[0], strict=True):
+        assert row["sync/server_versions"] == [str(row["step"])]
+        assert row["rollout/reward_mean"] == ref["rollout/reward_mean"]
+        assert row["train/loss"] == pytest.approx(ref["train/loss"], rel=1e-4)
+        assert row["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-4)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "pp2" / "hf" / "step_2")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "pp1" / "hf" / "step_2")
+    assert exported.config.tie_word_embeddings
+    for (name, a), (_, b) in zip(exported.state_dict().items(), reference.state_dict().items(), strict=True):
+        assert (a - b).abs().max() <= 1e-4 * max(b.abs().max(), 1e-6), name
