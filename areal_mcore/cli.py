@@ -166,14 +166,17 @@ def refuse_unplanned(cfg, command: str) -> bool:
 
 
 def _init_distributed() -> None:
-    """From torchrun's environment, else a one-rank group on this machine."""
+    """From torchrun's environment, else a one-rank group on this machine. The rank is
+    bound to its GPU (``LOCAL_RANK``) first: NCCL and megatron use the current device."""
     import os
 
     import torch
     import torch.distributed as dist
 
+    from areal_mcore.devices import bind_local_device
     from areal_mcore.rollout.launcher import free_port
 
+    bind_local_device()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ:
         dist.init_process_group(backend)

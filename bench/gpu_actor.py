@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from areal_mcore.actor import MegatronActor
 from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+from areal_mcore.devices import bind_local_device
 from areal_mcore.packing import pack
 
 
@@ -34,8 +35,8 @@ def main():
     p.add_argument("--mb-tokens", type=int, default=16384)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     a = p.parse_args()
+    bind_local_device()  # LOCAL_RANK's GPU, before NCCL and megatron touch CUDA
     dist.init_process_group("nccl")
-    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     from transformers import Qwen2Config
 
     hf = Qwen2Config(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,

@@ -10,12 +10,14 @@ from queue import Empty
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from areal_mcore.devices import bind_local_device
 from areal_mcore.rollout.launcher import free_port
 
 
 def _worker(rank, world_size, port, fn, args, queue):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
+        bind_local_device({"LOCAL_RANK": str(rank)})  # a no-op without CUDA
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )

@@ -30,6 +30,7 @@ from areal_mcore import accel
 from areal_mcore.actor.logprobs import token_logprobs
 from areal_mcore.actor.parallel import ParallelGroups, init_parallel
 from areal_mcore.config import ActorConfig
+from areal_mcore.devices import check_bound
 from areal_mcore.model import adapter
 from areal_mcore.model.args import ModelArgs, padded_vocab_size, stage_layer_counts
 from areal_mcore.model.hf_config import build_gpt_model, transformer_config
@@ -69,6 +70,7 @@ class MegatronActor:
         self.groups: ParallelGroups = init_parallel(cfg.parallel, seed)
         g = self.groups
         found = accel.detect()
+        check_bound()  # megatron allocates on torch.cuda.current_device(): it must be LOCAL_RANK's
         self.device = torch.device("cuda", torch.cuda.current_device()) if found.cuda else torch.device("cpu")
         self.padded_vocab = padded_vocab_size(self.args.vocab_size, g.tp_size, cfg.vocab_divisible_by)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]

@@ -117,12 +117,14 @@ def _megatron_logits(reader: McoreCheckpointReader, tokens: torch.Tensor) -> tor
 
     from areal_mcore.actor.parallel import init_parallel
     from areal_mcore.config import ParallelConfig
+    from areal_mcore.devices import bind_local_device
     from areal_mcore.model.args import padded_vocab_size
     from areal_mcore.model.hf_config import build_gpt_model, transformer_config
 
     args = reader.args
     own_group = not dist.is_initialized()
-    if own_group:  # megatron's layers want a process group: a world of one
+    if own_group:
+        bind_local_device()  # this process is rank 0 of its own world  # megatron's layers want a process group: a world of one
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     init_parallel(ParallelConfig(), seed=1)
     try:
@@ -168,9 +170,11 @@ def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, dtype):
 
     from areal_mcore.actor import MegatronActor
     from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig, ParallelConfig
+    from areal_mcore.devices import bind_local_device
     from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    bind_local_device({"LOCAL_RANK": str(rank)})  # spawned here, all on this node
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         hf_config = _load_hf_config(input)
