@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from areal_mcore import collectives
 from areal_mcore.kernels import use_triton
 
 # A finite stand-in for -inf as the running max: a shard whose rows are all padding then
@@ -114,11 +115,11 @@ def _combine_shards(m_T, s_T, d_T, zt_T, group):
     if group is None or dist.get_world_size(group) == 1:
         return m_T, s_T, d_T, zt_T
     max_T = m_T.clone()
-    dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=group)
+    collectives.all_reduce(max_T, group, op=dist.ReduceOp.MAX)
     # Rescale to the global max: exp(z - M) = exp(z - m) exp(m - M), z - M = (z - m) + (m - M).
     scale_T = torch.exp(m_T - max_T)
     sums_3T = torch.stack([scale_T * s_T, scale_T * (d_T + (m_T - max_T) * s_T), zt_T])
-    dist.all_reduce(sums_3T, group=group)
+    collectives.all_reduce(sums_3T, group)
     s_T, d_T, zt_T = sums_3T.unbind(0)
     return max_T, s_T, d_T, zt_T
 

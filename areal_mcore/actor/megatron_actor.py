@@ -26,7 +26,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from areal_mcore import accel
+from areal_mcore import accel, collectives
 from areal_mcore.actor.logprobs import token_logprobs
 from areal_mcore.actor.parallel import ParallelGroups, init_parallel
 from areal_mcore.config import ActorConfig
@@ -143,8 +143,7 @@ class MegatronActor:
         local = {n: p.detach() for n, p in self.model.module.named_parameters()}
         shards = [dict() for _ in range(g.tp_size)]
         for name in sorted(local):
-            parts = [torch.empty_like(local[name]) for _ in range(g.tp_size)]
-            dist.all_gather(parts, local[name].contiguous(), group=g.tp)
+            parts = collectives.all_gather(local[name], g.tp)
             for r in range(g.tp_size):
                 shards[r][name] = parts[r].cpu()
         return adapter.to_hf(shards, self.args, pp_rank=g.pp_rank, pp_size=g.pp_size)
@@ -259,7 +258,7 @@ class MegatronActor:
                 for i, logp in zip(b, mb.split(out["logprobs"]), strict=True):
                     out_T[starts[i] : starts[i] + logp.numel()] = logp
         if g.pp_size > 1:
-            dist.broadcast(out_T, src=g.pp_last_rank, group=g.pp)
+            collectives.broadcast(out_T, g.pp_last_rank, g.pp)
         self.model.train()
         return out_T
 
@@ -298,7 +297,7 @@ class MegatronActor:
             # count, which bounds the micro-batch count any rank can ask for.
             counts = torch.tensor([0.0 if sub is None else float(sub.fields["loss_mask"].sum()),
                                    0.0 if sub is None else float(sub.num_seqs)], device=self.device)
-            dist.all_reduce(counts, group=g.dp)
+            collectives.all_reduce(counts, g.dp)
             tokens = counts[0].clamp(min=1.0)  # a minibatch without loss tokens: 0, not 0/0
             if sub is None:
                 sub = _placeholder(batch, max(int(counts[1]), 1))
@@ -326,9 +325,9 @@ class MegatronActor:
             if g.is_last_stage:
                 loss = sum(o["loss"] for o in outputs).float()
                 result["micro_stats"].extend(outputs)
-            dist.all_reduce(loss, group=g.dp)
+            collectives.all_reduce(loss, g.dp)
             if g.pp_size > 1:
-                dist.broadcast(loss, src=g.pp_last_rank, group=g.pp)
+                collectives.broadcast(loss, g.pp_last_rank, g.pp)
             # A NaN/inf in any micro-batch reaches every rank through the sum, the DP
             # all-reduce and the PP broadcast, so all ranks raise together, before the
             # optimizer step writes NaN into the weights.

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from areal_mcore import collectives
+
 LEVELS = ("group", "batch", "none")
 
 
@@ -94,7 +96,7 @@ def _sums(xm: torch.Tensor, m: torch.Tensor, level: str, group_size: int,
         return xm.view(-1, group_size).sum(1), m.view(-1, group_size).sum(1)
     sums = torch.stack([xm.sum(), m.sum()])
     if group is not None:
-        dist.all_reduce(sums, group=group)
+        collectives.all_reduce(sums, group)  # on the group's device and back (NCCL: GPU)
     return sums[0], sums[1]
 
 

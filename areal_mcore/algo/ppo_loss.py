@@ -25,6 +25,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from areal_mcore import collectives
+
 
 def ppo_actor_loss(
     logprobs_T: torch.Tensor,
@@ -157,8 +159,8 @@ def reduce_ppo_stats(
     sums = torch.stack([sum(s[k] for s in stats) for k in keys if k not in _MAX_KEYS]).double()
     maxes = torch.stack([torch.stack([s[k] for s in stats]).max() for k in _MAX_KEYS]).double()
     if group is not None:
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        collectives.all_reduce(sums, group)
+        collectives.all_reduce(maxes, group, op=dist.ReduceOp.MAX)
     total = dict(zip([k for k in keys if k not in _MAX_KEYS], sums.tolist()))
     total.update(zip(_MAX_KEYS, maxes.tolist()))
     n = max(total["loss_tokens"], 1.0)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from areal_mcore import collectives
 from areal_mcore.actor import MegatronActor
 from areal_mcore.convert.hf_writer import (
     ShardedSafetensorsWriter,
@@ -26,7 +27,7 @@ def save_hf(actor: MegatronActor, out_dir: str | Path, *, tokenizer_dir: str | P
     out = Path(out_dir)
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    collectives.barrier(dist.group.WORLD)
     tensors = actor.hf_state_dict()  # collective over the TP group
     parts = []
     if g.tp_rank == 0 and g.dp_rank == 0:
@@ -34,10 +35,9 @@ def save_hf(actor: MegatronActor, out_dir: str | Path, *, tokenizer_dir: str | P
         writer.add(tensors)
         parts = writer.written_parts()
     del tensors
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (g.pp_rank, parts))
+    gathered = collectives.all_gather_object((g.pp_rank, parts), dist.group.WORLD)
     if dist.get_rank() == 0:
         ordered = [p for _, stage_parts in sorted(x for x in gathered if x[1]) for p in stage_parts]
         finalize_shards(out, ordered)
         write_model_files(out, actor.hf_config, tokenizer_dir)
-    dist.barrier()
+    collectives.barrier(dist.group.WORLD)

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from areal_mcore import collectives
+
 
 def allocate_micro_batches(
     seqlens: Sequence[int],
@@ -82,9 +84,8 @@ def allocate_micro_batches_synced(
     lens = [int(n) for n in seqlens]
     cap = int(max_tokens_per_mb)
     bins = allocate_micro_batches(lens, cap, min_mbs=min_mbs, divisor=divisor)
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    count = torch.tensor([len(bins)], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    count = torch.tensor([len(bins)], dtype=torch.int64)
+    collectives.all_reduce(count, group, op=dist.ReduceOp.MAX)  # on the group's device and back
     k = int(count.item())
     if k > len(lens):
         raise ValueError(

@@ -13,6 +13,7 @@ so the response tokens are the loss tokens and prompt positions hold 0.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from areal_mcore.algo import gae_packed, normalize, transform_reward
 from areal_mcore.config import PPOConfig
 from areal_mcore.packing import PackedBatch, pack
+from areal_mcore.trainer.dispatch import RolloutShard
 
 
 def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | None = None,
@@ -35,30 +37,19 @@ def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | Non
     loss reports it (``empty_responses``). A rank given no samples at all gets one
     one-token placeholder sequence with no loss tokens, and still takes part in the
     normalisation's all-reduces and in training.
+    ``samples`` may also be a ``RolloutShard`` (what ``Dispatcher`` delivers): the batch is
+    then built on the shard's device (the GPU under NCCL).
     """
-    seqs, fields = [], {"loss_mask": [], "behave": [], "versions": [], "empty_response": []}
-    if not samples:
-        seqs.append(torch.zeros(1, dtype=torch.long))
-        for name, dtype in (("loss_mask", torch.bool), ("behave", torch.float32), ("versions", torch.long),
-                            ("empty_response", torch.float32)):
-            fields[name].append(torch.zeros(1, dtype=dtype))
-    for s in samples:
-        n_prompt, n_out = len(s.prompt_ids), len(s.output_ids)
-        seqs.append(torch.tensor(list(s.prompt_ids) + list(s.output_ids), dtype=torch.long))
-        fields["loss_mask"].append(torch.cat([torch.zeros(n_prompt), torch.ones(n_out)]).bool())
-        fields["behave"].append(torch.cat([torch.zeros(n_prompt), torch.tensor(s.logprobs).float()]))
-        fields["versions"].append(torch.tensor([-1] * n_prompt + list(s.versions), dtype=torch.long))
-        empty = torch.zeros(n_prompt + n_out)
-        empty[0] = float(n_out == 0)
-        fields["empty_response"].append(empty)
+    shard = samples if isinstance(samples, RolloutShard) else RolloutShard.from_samples(samples)
+    seqs, fields = _per_sequence(shard)
     batch = pack(seqs, fields, pad_to_multiple_of=pad_to_multiple_of)
 
-    rewards_B = transform_reward(torch.tensor([float(s.reward) for s in samples]),
-                                 bias=ppo.reward_bias, scaling=ppo.reward_scaling, clip=ppo.reward_clip)
+    rewards_B = transform_reward(shard.rewards, bias=ppo.reward_bias, scaling=ppo.reward_scaling,
+                                 clip=ppo.reward_clip)
     if ppo.reward_norm is not None:
         rewards_B = normalize(rewards_B, **dataclasses.asdict(ppo.reward_norm), group=dp_group)
-    if not samples:
-        rewards_B = torch.zeros(1)  # the placeholder's; it has no loss token to carry it
+    if shard.num_samples == 0:
+        rewards_B = torch.zeros(1, device=shard.tokens.device)  # the placeholder's; no loss token carries it
     mask_T = batch.fields["loss_mask"]
     adv_T, _ = gae_packed(rewards_B, batch.cu_seqlens_padded, gamma=ppo.discount, lam=ppo.gae_lambda,
                           loss_mask_T=mask_T, kernel=ppo.gae_kernel)
@@ -66,3 +57,31 @@ def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | Non
         adv_T = normalize(adv_T, **dataclasses.asdict(ppo.adv_norm), mask=mask_T, group=dp_group)
     batch.fields["adv"] = adv_T
     return batch
+
+
+def _per_sequence(shard: RolloutShard) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
+    """Per-sample token ids (int64) and fields loss_mask (response tokens), behave (0 on
+    the prompt), versions (-1 on the prompt) and empty_response, on the shard's device;
+    no samples: one one-token placeholder without loss tokens."""
+    device = shard.tokens.device
+    if shard.num_samples == 0:
+        zeros = {"loss_mask": torch.bool, "behave": torch.float32, "versions": torch.long,
+                 "empty_response": torch.float32}
+        return [torch.zeros(1, dtype=torch.long, device=device)], {
+            k: [torch.zeros(1, dtype=t, device=device)] for k, t in zeros.items()}
+    lens = (shard.prompt_lens + shard.output_lens).tolist()  # one host sync per step
+    T = sum(lens)
+    starts_B = torch.cumsum(shard.prompt_lens + shard.output_lens, 0) - (shard.prompt_lens + shard.output_lens)
+    rep = dict(repeats=shard.prompt_lens + shard.output_lens, output_size=T)
+    pos_T = torch.arange(T, device=device) - torch.repeat_interleave(starts_B, **rep)
+    mask_T = pos_T >= torch.repeat_interleave(shard.prompt_lens, **rep)
+    behave_T = torch.zeros(T, dtype=torch.float32, device=device)
+    behave_T[mask_T] = shard.logprobs
+    versions_T = torch.full((T,), -1, dtype=torch.int64, device=device)
+    versions_T[mask_T] = shard.versions.long()
+    empty_T = torch.zeros(T, dtype=torch.float32, device=device)
+    empty_T[starts_B] = (shard.output_lens == 0).float()  # on each sample's first token
+    split = partial(torch.split, split_size_or_sections=lens)
+    fields = {"loss_mask": list(split(mask_T)), "behave": list(split(behave_T)),
+              "versions": list(split(versions_T)), "empty_response": list(split(empty_T))}
+    return list(split(shard.tokens.long())), fields

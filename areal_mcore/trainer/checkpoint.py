@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from areal_mcore import collectives
 from areal_mcore.actor import MegatronActor
 from areal_mcore.model.args import ModelArgs, args_mismatch
 
@@ -82,7 +83,7 @@ class Checkpointer:
                 shutil.rmtree(stale)
             (tmp / "model").mkdir(parents=True)
             (tmp / "rng").mkdir()
-        dist.barrier(group=self.group)
+        collectives.barrier(self.group)
         dist_checkpointing.save(actor.sharded_state_dict(), str(tmp / "model"))
         _save_file(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
         if rank == 0:
@@ -100,7 +101,7 @@ class Checkpointer:
                 "config": config_snapshot or {},
             }
             _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
-        dist.barrier(group=self.group)
+        collectives.barrier(self.group)
         final = self.root / name
         if rank == 0:
             _fsync_tree(tmp)
@@ -110,7 +111,7 @@ class Checkpointer:
             _write_text(self.root / "latest", name)
             _fsync_dir(self.root)
             self._prune(keep=final)
-        dist.barrier(group=self.group)
+        collectives.barrier(self.group)
         return final
 
     def _prune(self, keep: Path) -> None:
@@ -147,7 +148,7 @@ class Checkpointer:
         else:
             warnings.warn(f"{path}: saved with another world size; RNG states are not restored",
                           stacklevel=2)
-        dist.barrier(group=self.group)
+        collectives.barrier(self.group)
         return ResumeState(path=Path(path), step=trainer["step"], weight_version=trainer["weight_version"],
                            extra=trainer["extra"])
 

@@ -22,11 +22,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from areal_mcore import collectives
 from areal_mcore.algo import loglinear_proximal_logprobs, ppo_actor_loss, reduce_ppo_stats
 from areal_mcore.config import ExperimentConfig, PPOConfig
 from areal_mcore.trainer import stats as S
 from areal_mcore.trainer.batch import to_train_batch
 from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
+from areal_mcore.trainer.dispatch import Dispatcher
 
 
 def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens):
@@ -122,12 +124,14 @@ class PPORun:
                                    total_optimizer_steps=cfg.trainer.total_steps * cfg.ppo.ppo_n_minibatches)
         self.actor.load_hf_state_dict(load_hf_state_dict(cfg.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)
-        box = [None]
+        addresses = None
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            box[0] = self._start_rollout()
-        dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
-        self.syncer = WeightSyncer(cfg.weight_sync, self.actor, box[0], api_key=cfg.server.api_key)
+            addresses = self._start_rollout()
+        addresses = collectives.broadcast_object(addresses, 0, dist.group.WORLD)
+        g = self.actor.groups
+        self.dispatcher = Dispatcher(dp_rank=g.dp_rank, dp_size=g.dp_size, mp_group=g.mp, world=dist.group.WORLD)
+        self.syncer = WeightSyncer(cfg.weight_sync, self.actor, addresses, api_key=cfg.server.api_key)
         self._run(self.syncer.connect())
         self.checkpointer = Checkpointer(CheckpointConfig(root=str(self.run_dir / "checkpoints")),
                                          group=dist.group.WORLD)
@@ -201,8 +205,8 @@ class PPORun:
     # ---- the step's parts --------------------------------------------------------------
     def rollout(self, step: int):
         """Rank 0 samples (sync) or collects (async) the batch; every rank returns its
-        data-parallel share."""
-        box = [None, None]
+        data-parallel replica's share as a ``RolloutShard`` (trainer/dispatch.py)."""
+        samples, stats = None, None
         if self.rank == 0:
             if self.cfg.trainer.mode == "async":
                 out = self._run(self.controller.prepare_batch(self.cfg.trainer.batch_size))
@@ -210,12 +214,13 @@ class PPORun:
                 batch = [self.prompts[i] for i in self.sampler.next_batch()]
                 out = self._run(self.controller.rollout_batch(batch))
             self.logger.dump_rollouts(step + 1, out.samples, self.decode)
-            box = [out.samples, out.stats]
-        dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
-        samples, stats = box
-        g, n = self.actor.groups, self.cfg.rollout.n_samples
-        groups = [samples[i:i + n] for i in range(0, len(samples), n)]
-        return [s for grp in groups[g.dp_rank::g.dp_size] for s in grp], stats
+            samples, stats = out.samples, out.stats
+        shard, moved = self.dispatcher.dispatch(samples, self.cfg.rollout.n_samples)
+        stats = collectives.broadcast_object(stats, 0, dist.group.WORLD)  # a few scalars
+        if self.rank == 0:
+            stats = {**stats, "dispatch/bytes": float(moved.bytes_sent),
+                     "dispatch/time_s": moved.pack_s + moved.send_s}
+        return shard, stats
 
     def sync(self, version: int) -> dict:
         stats = self._run(self.syncer.push(version))
@@ -246,8 +251,7 @@ class PPORun:
         if self.rank == 0 and (self.run_dir / "STOP").exists():
             (self.run_dir / "STOP").unlink()
             flag = True
-        flags: list = [None] * dist.get_world_size()
-        dist.all_gather_object(flags, flag)
+        flags = collectives.all_gather_object(flag, dist.group.WORLD)
         if any(flags) and self.rank == 0:
             self.logger.print("[ppo] stop requested: checkpointing and exiting (resume continues from here)")
         return any(flags)
@@ -275,9 +279,7 @@ class PPORun:
         g = self.actor.groups
         reduced = train_stats.get("stats")
         if g.pp_size > 1:  # the loss's stats exist on the last stage only
-            box = [reduced]
-            dist.broadcast_object_list(box, src=g.pp_last_rank, group=g.pp)
-            reduced = box[0]
+            reduced = collectives.broadcast_object(reduced, g.pp_last_rank, g.pp)
         now = time.perf_counter()
         step_s, self._last_row_t = now - self._last_row_t, now
         times = self.phases.take()
@@ -323,7 +325,7 @@ class PPORun:
         plot = self.logger.close() if self.logger is not None else None
         if not barrier:
             return
-        dist.barrier(group=dist.group.WORLD)
+        collectives.barrier(dist.group.WORLD)
         if plot is not None:
             print(f"[ppo] stats: {self.run_dir / 'stats.jsonl'}\n"
                   f"[ppo] tensorboard: tensorboard --logdir {self.run_dir / 'tensorboard'}\n"

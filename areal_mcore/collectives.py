@@ -1,0 +1,111 @@
+"""The one place our code runs ``torch.distributed`` collectives (megatron runs its own).
+
+Each call puts its tensors on a device the group's backend serves and copies the result
+back to where the caller keeps it, so callers may hold bookkeeping tensors on the CPU:
+NCCL has no CPU backend (a CPU tensor raises "No backend type associated with device
+type cpu"), gloo serves CPU (and CUDA, by staging). The backends a group serves come from
+``dist.get_backend_config(group)`` ("cuda:nccl", "cpu:gloo,cuda:gloo",
+"cpu:gloo,cuda:nccl"); the CUDA device is ``torch.cuda.current_device()``, which is this
+rank's GPU once ``devices.bind_local_device`` ran (torch's own object collectives rely on
+the same binding: ``_get_object_coll_device`` picks the current device for NCCL).
+
+Process groups are always passed in; ``src``/``dst`` are global ranks, as in torch.
+A test (tests/test_collectives.py) checks no other module calls collectives directly.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+
+@functools.lru_cache(maxsize=64)
+def _served_by_name(config: str) -> frozenset[str]:
+    return frozenset(item.split(":", 1)[0] for item in config.split(",") if item)
+
+
+def served_devices(group: dist.ProcessGroup | None) -> frozenset[str]:
+    """Device types ``group``'s backends run collectives on ({"cuda"} for NCCL)."""
+    return _served_by_name(dist.get_backend_config(group))
+
+
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where to put a tensor for ``group``: the CPU if a backend serves it, else this
+    rank's GPU."""
+    served = served_devices(group)
+    if "cpu" in served:
+        return torch.device("cpu")
+    if "cuda" in served:
+        return torch.device("cuda", torch.cuda.current_device())
+    raise RuntimeError(f"process group backends {sorted(served)} serve neither cpu nor cuda")
+
+
+def on_group_device(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``tensor`` itself if the group serves its device, else a copy on the group's device."""
+    if tensor.device.type in served_devices(group):
+        return tensor
+    return tensor.to(group_device(group))
+
+
+def _in_place(tensor: torch.Tensor, group, run) -> torch.Tensor:
+    """Runs ``run(t)`` on ``tensor`` or its copy on the group's device; copies back."""
+    moved = on_group_device(tensor, group)
+    run(moved)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
+               op: dist.ReduceOp.RedOpType = ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` over ``group``; returns ``tensor``."""
+    return _in_place(tensor, group, lambda t: dist.all_reduce(t, op=op, group=group))
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place broadcast from global rank ``src``; returns ``tensor``."""
+    return _in_place(tensor, group, lambda t: dist.broadcast(t, src=src, group=group))
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape everywhere), in group-rank order, on
+    ``tensor``'s device."""
+    moved = on_group_device(tensor.contiguous(), group)
+    parts = [torch.empty_like(moved) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, moved, group=group)
+    return parts if moved.device == tensor.device else [p.to(tensor.device) for p in parts]
+
+
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """Point-to-point send to global rank ``dst``."""
+    dist.send(on_group_device(tensor.contiguous(), group), dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Receives into ``tensor`` from global rank ``src``; returns ``tensor``."""
+    return _in_place(tensor, group, lambda t: dist.recv(t, src=src, group=group))
+
+
+def barrier(group: dist.ProcessGroup | None) -> None:
+    # NCCL's barrier all-reduces a tensor on the current device: bound ranks required.
+    dist.barrier(group=group)
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list:
+    """Every rank's picklable ``obj``, in group-rank order (small metadata only: it
+    pickles, and NCCL stages it through the current GPU)."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None) -> Any:
+    """Global rank ``src``'s picklable ``obj`` on every rank of ``group``."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

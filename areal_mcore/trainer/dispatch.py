@@ -1,0 +1,174 @@
+"""Rollout samples -> each data-parallel replica, as packed tensors.
+
+Legend: B samples of a replica, T their tokens (prompt + response, end to end), O their
+response tokens.
+
+Global rank 0 holds the whole batch (Python lists from the rollout client). Replica ``d``
+trains on the prompt groups ``d, d + D, d + 2D, ...`` (D = data-parallel size). Rank 0
+packs each replica's samples into one byte buffer (lengths, ids, logprobs, versions,
+rewards) and sends it once, point to point, to the replica's head (its lowest global
+rank); the head broadcasts it over the replica's model-parallel group (TP x PP), whose
+ranks all need the same data. Nothing else crosses the wire: no rank receives another
+replica's samples, and nothing is pickled (the pickled broadcast of the whole batch to the
+whole world that this replaces cost 5.5 s to pickle and 8.4 s to unpickle on every rank
+for a boba-sized batch).
+
+Wire format, per replica: a header int64[3] = (B, T, O), then one uint8 buffer laid out as
+prompt_lens int64[B] | output_lens int64[B] | tokens int32[T] | logprobs float32[O] |
+versions int32[O] | rewards float32[B]; every part starts 4-byte aligned (the int64 parts
+come first), so the receiver takes zero-copy dtype views. Buffers are sent from and
+received on the device the group's backend serves (``collectives``): the GPU under NCCL.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from areal_mcore import collectives
+
+_PARTS = (("prompt_lens", torch.int64, "B"), ("output_lens", torch.int64, "B"), ("tokens", torch.int32, "T"),
+          ("logprobs", torch.float32, "O"), ("versions", torch.int32, "O"), ("rewards", torch.float32, "B"))
+
+
+@dataclass
+class RolloutShard:
+    """One replica's samples as packed tensors (all on one device)."""
+
+    prompt_lens: torch.Tensor  # [B] int64
+    output_lens: torch.Tensor  # [B] int64
+    tokens: torch.Tensor  # [T] int32: prompt then response of each sample, end to end
+    logprobs: torch.Tensor  # [O] float32: behaviour logprob of each response token
+    versions: torch.Tensor  # [O] int32: weight version that produced each response token
+    rewards: torch.Tensor  # [B] float32
+
+    @property
+    def num_samples(self) -> int:
+        return self.rewards.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, name).nbytes for name, _, _ in _PARTS)
+
+    @classmethod
+    def from_samples(cls, samples) -> RolloutShard:
+        """Packs ``rollout.controller.Sample``s (prompt_ids, output_ids, logprobs, versions,
+        reward). numpy converts the lists at C speed (~20 ns an element, like pickling them)."""
+        chain = itertools.chain.from_iterable
+
+        def flat(lists, dtype, n):
+            return torch.from_numpy(np.fromiter(chain(lists), dtype=dtype, count=n))
+
+        p = [len(s.prompt_ids) for s in samples]
+        o = [len(s.output_ids) for s in samples]
+        n_t, n_o = sum(p) + sum(o), sum(o)
+        return cls(
+            prompt_lens=torch.tensor(p, dtype=torch.int64), output_lens=torch.tensor(o, dtype=torch.int64),
+            tokens=flat((ids for s in samples for ids in (s.prompt_ids, s.output_ids)), np.int32, n_t),
+            logprobs=flat((s.logprobs for s in samples), np.float32, n_o),
+            versions=flat((s.versions for s in samples), np.int32, n_o),
+            rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32))
+
+    def header(self) -> torch.Tensor:
+        return torch.tensor([self.num_samples, self.tokens.numel(), self.logprobs.numel()], dtype=torch.int64)
+
+    def to_bytes(self) -> torch.Tensor:
+        return torch.cat([getattr(self, name).contiguous().view(torch.uint8) for name, _, _ in _PARTS])
+
+    @classmethod
+    def from_bytes(cls, header: torch.Tensor, buffer: torch.Tensor) -> RolloutShard:
+        sizes = dict(zip("BTO", header.tolist()))
+        parts, offset = {}, 0
+        for name, dtype, dim in _PARTS:
+            n = sizes[dim] * dtype.itemsize
+            parts[name] = buffer[offset:offset + n].view(dtype)
+            offset += n
+        return cls(**parts)
+
+    @staticmethod
+    def nbytes_of(header: torch.Tensor) -> int:
+        sizes = dict(zip("BTO", header.tolist()))
+        return sum(sizes[dim] * dtype.itemsize for _, dtype, dim in _PARTS)
+
+
+def split_groups(samples: list, group_size: int, dp_size: int) -> list[list]:
+    """Replica d's samples: prompt groups d, d + D, ... (groups of ``group_size`` contiguous
+    samples, as the controller returns them)."""
+    groups = [samples[i:i + group_size] for i in range(0, len(samples), group_size)]
+    return [[s for grp in groups[d::dp_size] for s in grp] for d in range(dp_size)]
+
+
+@dataclass
+class DispatchStats:
+    pack_s: float = 0.0  # rank 0: lists -> byte buffers
+    send_s: float = 0.0  # rank 0: point-to-point sends to the replica heads
+    recv_s: float = 0.0  # a head: waiting for and receiving its buffer
+    bcast_s: float = 0.0  # the replica's model-parallel broadcast
+    bytes_sent: int = 0  # rank 0, all replicas but its own
+    bytes_received: int = 0  # this rank's shard (what it got over the wire; 0 on rank 0)
+    extra: dict = field(default_factory=dict)
+
+
+class Dispatcher:
+    """Hands each data-parallel replica its rollout samples; every trainer rank builds one.
+
+    Args:
+        dp_rank, dp_size: this rank's replica and the number of replicas.
+        mp_group: this replica's model-parallel (TP x PP) group.
+        world: the group holding rank 0 and every replica head (the trainer's world).
+    """
+
+    def __init__(self, *, dp_rank: int, dp_size: int, mp_group: dist.ProcessGroup | None,
+                 world: dist.ProcessGroup | None):
+        self.dp_rank, self.dp_size, self.mp, self.world = dp_rank, dp_size, mp_group, world
+        self.rank = dist.get_rank()
+        self.head = min(dist.get_process_group_ranks(mp_group)) if mp_group is not None else self.rank
+        # Once per run (small): which global rank heads each replica.
+        pairs = collectives.all_gather_object((dp_rank, self.head), world)
+        heads = dict(pairs)
+        if sorted(heads) != list(range(dp_size)) or heads[0] != 0:
+            raise RuntimeError(f"replica heads {heads}: expected replicas 0..{dp_size - 1}, rank 0 heading 0")
+        self.heads = [heads[d] for d in range(dp_size)]
+        self.mp_size = dist.get_world_size(mp_group) if mp_group is not None else 1
+        self.device = collectives.group_device(world)
+
+    def dispatch(self, samples: list | None, group_size: int) -> tuple[RolloutShard, DispatchStats]:
+        """Rank 0 passes the whole batch, the others None; every rank gets its replica's
+        shard (on the world group's device: the GPU under NCCL)."""
+        st = DispatchStats()
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            shards = [RolloutShard.from_samples(part) for part in split_groups(samples, group_size, self.dp_size)]
+            wire = [(s.header(), s.to_bytes()) for s in shards]
+            t1 = time.perf_counter()
+            for d in range(1, self.dp_size):
+                header, buffer = wire[d]
+                collectives.send(header, self.heads[d], self.world)
+                collectives.send(buffer, self.heads[d], self.world)
+                st.bytes_sent += header.nbytes + buffer.nbytes
+            st.pack_s, st.send_s = t1 - t0, time.perf_counter() - t1
+            header, buffer = wire[0][0].to(self.device), wire[0][1].to(self.device)
+        elif self.rank == self.head:
+            t0 = time.perf_counter()
+            header = collectives.recv(torch.empty(3, dtype=torch.int64, device=self.device), 0, self.world)
+            buffer = torch.empty(RolloutShard.nbytes_of(header), dtype=torch.uint8, device=self.device)
+            collectives.recv(buffer, 0, self.world)
+            st.recv_s = time.perf_counter() - t0
+            st.bytes_received = header.nbytes + buffer.nbytes
+        if self.mp_size > 1:
+            t0 = time.perf_counter()
+            if self.rank != self.head:
+                header = torch.empty(3, dtype=torch.int64, device=self.device)
+            collectives.broadcast(header, self.head, self.mp)
+            if self.rank != self.head:
+                buffer = torch.empty(RolloutShard.nbytes_of(header), dtype=torch.uint8, device=self.device)
+            collectives.broadcast(buffer, self.head, self.mp)
+            if self.rank != self.head:
+                st.bytes_received = header.nbytes + buffer.nbytes
+            st.bcast_s = time.perf_counter() - t0
+        return RolloutShard.from_bytes(header, buffer), st

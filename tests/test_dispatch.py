@@ -1,0 +1,130 @@
+"""Per-replica dispatch of rollout samples (trainer/dispatch.py) on gloo ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_gloo
+from test_ppo_e2e import _overrides
+
+from areal_mcore.config import load_config
+from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+from areal_mcore.rollout.controller import Sample
+from areal_mcore.trainer.dispatch import Dispatcher, RolloutShard, split_groups
+
+
+def _samples(n_groups: int, n: int, seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for gi in range(n_groups):
+        prompt = torch.randint(0, 1000, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n):
+            k = int(torch.randint(1, 17, (1,), generator=g))
+            out.append(Sample(group=gi, prompt_ids=prompt, output_ids=torch.randint(0, 1000, (k,), generator=g).tolist(),
+                              logprobs=(-torch.rand(k, generator=g, dtype=torch.float64)).tolist(),
+                              versions=torch.randint(0, 5, (k,), generator=g).tolist(),
+                              reward=float(torch.randint(0, 2, (1,), generator=g)), finish_reason="stop",
+                              start_version=0))
+    return out
+
+
+def _as_lists(shard: RolloutShard) -> dict:
+    return {k: getattr(shard, k).tolist() for k in
+            ("prompt_lens", "output_lens", "tokens", "logprobs", "versions", "rewards")}
+
+
+def test_shard_bytes_round_trip_and_values_match_the_samples():
+    samples = _samples(3, 4)
+    shard = RolloutShard.from_samples(samples)
+    back = RolloutShard.from_bytes(shard.header(), shard.to_bytes())
+    assert _as_lists(back) == _as_lists(shard)
+    assert shard.tokens.tolist() == [t for s in samples for t in s.prompt_ids + s.output_ids]
+    # float32 exactly as torch.tensor(list).float() rounds them (what the batch used before)
+    assert torch.equal(shard.logprobs, torch.tensor([lp for s in samples for lp in s.logprobs]).float())
+    assert shard.nbytes == shard.to_bytes().numel() == RolloutShard.nbytes_of(shard.header())
+
+
+def _dispatch_rank(rank, world, samples, n):
+    # DP 2 x "TP" 2: replicas {0, 1} and {2, 3}; the model-parallel groups as megatron
+    # would form them (every rank creates every group).
+    mps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    d = Dispatcher(dp_rank=rank // 2, dp_size=2, mp_group=mps[rank // 2], world=dist.group.WORLD)
+    shard, st = d.dispatch(samples if rank == 0 else None, n)
+    return d.heads, _as_lists(shard), st.bytes_sent, st.bytes_received
+
+
+def test_each_replica_receives_only_its_groups_once_then_its_model_parallel_peers():
+    n = 4
+    samples = _samples(6, n)
+    out = run_gloo(_dispatch_rank, 4, samples, n)
+    parts = [RolloutShard.from_samples(p) for p in split_groups(samples, n, 2)]
+    assert [s.group for s in split_groups(samples, n, 2)[1]] == [1] * n + [3] * n + [5] * n
+    for rank, (heads, got, _, received) in enumerate(out):
+        assert heads == [0, 2]
+        assert got == _as_lists(parts[rank // 2])  # its replica's samples, nothing else
+        wire = parts[rank // 2].nbytes + 24  # + the int64[3] header
+        assert received == (0 if rank == 0 else wire)
+    assert out[0][2] == parts[1].nbytes + 24  # rank 0 sent replica 1's share, once
+
+
+# ---- the PPO loop at DP=2: dispatch trains bitwise as the pickled broadcast did ------------
+
+def _pickled_rollout(self, step):
+    """PPORun.rollout before #16 (the whole batch pickled to every rank), the reference."""
+    box = [None, None]
+    if self.rank == 0:
+        batch = [self.prompts[i] for i in self.sampler.next_batch()]
+        out = self._run(self.controller.rollout_batch(batch))
+        box = [out.samples, out.stats]
+    dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
+    samples, stats = box
+    g, n = self.actor.groups, self.cfg.rollout.n_samples
+    groups = [samples[i:i + n] for i in range(0, len(samples), n)]
+    return [s for grp in groups[g.dp_rank::g.dp_size] for s in grp], stats
+
+
+def _ppo_rank(rank, world, overrides, pickled):
+    from areal_mcore.trainer import ppo
+
+    seen = []  # rank 0: every replica's expected share; others: what arrived
+    if pickled:
+        ppo.PPORun.rollout = _pickled_rollout
+    else:
+        real = Dispatcher.dispatch
+
+        def recording(self, samples, group_size):
+            shard, st = real(self, samples, group_size)
+            expected = ([_as_lists(RolloutShard.from_samples(p)) for p in split_groups(samples, group_size, 2)]
+                        if rank == 0 else None)
+            seen.append((_as_lists(shard), expected, st.bytes_received))
+            return shard, st
+        Dispatcher.dispatch = recording
+    history = ppo.train(load_config(None, overrides))
+    return [{k: r[k] for k in ("train/loss", "train/grad_norm", "train/approx_kl")} for r in history], seen
+
+
+@pytest.mark.slow
+def test_ppo_at_dp2_with_dispatch_trains_bitwise_like_the_pickled_broadcast(tmp_path):
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=64, n_test=8,
+                                                hidden_size=64, intermediate_size=128, num_layers=2))
+    # Unnormalised rewards (a random model solves nothing, so normalised advantages would be 0)
+    # and two minibatches: the loss and grads depend on every token, logprob and version.
+    # One request at a time on the server: batched decoding changes logprobs in the last bits
+    # with the batch's make-up (timing), which would hide what this test compares.
+    extra = ("actor.optimizer.lr=1e-4", "rollout.max_new_tokens=16", "rollout.n_samples=4",
+             "server.context_length=512", "trainer.total_steps=3", "ppo.reward_bias=-0.5",
+             "ppo.reward_scaling=10.0", "ppo.reward_norm=null", "ppo.adv_norm=null",
+             "ppo.use_decoupled_loss=true", "ppo.ppo_n_minibatches=2",
+             "server.max_running_requests=1")
+    new = run_gloo(_ppo_rank, 2, _overrides(assets, tmp_path / "a", "dispatch", *extra), False)
+    old = run_gloo(_ppo_rank, 2, _overrides(assets, tmp_path / "b", "pickled", *extra), True)
+    for rank in range(2):
+        assert new[rank][0] == old[rank][0]  # losses, grad norms, KL: bitwise
+    assert all(math.isfinite(x) and x > 0 for r in new[0][0] for x in r["train/grad_norm"])
+    for step, ((got0, expected, _), (got1, _, received1)) in enumerate(zip(new[0][1], new[1][1])):
+        assert got0 == expected[0] and got1 == expected[1], step  # rank 1 got replica 1's samples only
+        b, t, o = (len(expected[1][k]) for k in ("rewards", "tokens", "logprobs"))
+        assert received1 == 24 + 20 * b + 4 * t + 8 * o  # header + int64 x 2, float32 per sample...
