@@ -13,8 +13,8 @@ def test_parse_and_place_the_boba_layouts():
     assert (a.rollout.gpus, a.trainer.gpus) == (8, 16)
     assert a.place(nodes=3, gpus_per_node=8) == (1, 2)
     assert str(a) == "sglang:d4t2+megatron:d2p2t4"
-    # order of letters is free; context parallelism on the trainer; sub-node sides
-    assert parse_allocation("sglang:t2d4+megatron:c2d2").trainer.gpus == 4
+    # order of letters is free; c1 is accepted (no context parallelism); sub-node sides
+    assert parse_allocation("sglang:t2d4+megatron:c1d2").trainer.gpus == 2
     assert parse_allocation("embedded:d1+megatron:d1").place(nodes=2, gpus_per_node=1) == (1, 1)
     assert parse_allocation("sglang:d2+megatron:d4").place(nodes=2, gpus_per_node=8) == (1, 1)
     # 128 nodes x 8 GPUs: the 32B PPO layout
@@ -47,6 +47,10 @@ def test_allocations_that_do_not_fit_say_why_with_numbers(text, nodes, gpn, mess
     ("sglang:d4d2+megatron:d2", "gives 'd' twice"),
     ("sglang:d0+megatron:d2", "sizes are >= 1"),
     ("sglang:d2c2+megatron:d2", "context parallelism (c) is a trainer dimension"),
+    # c > 1 is refused on the trainer (it would silently become data parallelism)
+    ("sglang:d8+megatron:d8c2t2", "context parallelism (c2) is not supported yet"),
+    ("megatron:d8c2t2", "use tensor parallelism (t) or activation recompute (actor.recompute=true) "
+                        "for long sequences, e.g. megatron:d8t4"),
 ])
 def test_malformed_strings_name_the_bad_part(text, message):
     with pytest.raises(AllocationError) as e:
@@ -80,3 +84,37 @@ def test_sweeps_expand_to_named_runs_and_times_parse():
     with pytest.raises(ValueError, match="must be key=value1,value2"):
         sweep_overrides([], ["lr"], "boba")
     assert (_minutes("72:00:00"), _minutes("10:00"), _minutes("1-00:30:00"), _minutes("0:0:30")) == (4320, 10, 1470, 1)
+
+
+def test_c_greater_than_one_is_refused_when_the_config_loads():
+    from areal_mcore.config import load_config
+
+    with pytest.raises(ValueError, match=r"context parallelism \(c2\) is not supported yet"):
+        load_config("configs/boba_32b_sft.yaml", ["launch.stage=sft", "launch.allocation=megatron:d8c2t2"])
+
+
+@pytest.mark.parametrize("gpus,cfg,env,flags", [
+    # 8 GPUs, 96 CPUs and 1 TB on the node: a TP-4 server gets half of each
+    (4, {}, {"SLURM_CPUS_ON_NODE": "96", "SLURM_MEM_PER_NODE": "1024000"},
+     ["--exact", "--cpus-per-task=48", "--mem=512000M"]),
+    # fixed by the admin; mem 0 = the cluster's default
+    (8, {"cpus_per_gpu": 10, "mem_per_gpu_mb": 0}, {"SLURM_CPUS_ON_NODE": "96"}, ["--exact", "--cpus-per-task=80"]),
+    # Slurm's "2(x3)" form of SLURM_CPUS_ON_NODE; no memory known
+    (1, {}, {"SLURM_CPUS_ON_NODE": "16(x2)"}, ["--exact", "--cpus-per-task=2"]),
+])
+def test_srun_steps_ask_for_their_gpus_share_of_cpus_and_memory(gpus, cfg, env, flags):
+    from areal_mcore.launcher.config import LaunchConfig
+
+    assert LaunchConfig(gpus_per_node=8, **cfg).step_resources(gpus, env) == flags
+
+
+def test_boba_32b_ppo_says_which_node_count_it_needs(tmp_path):
+    import os
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "STAGE": "ppo", "SLURM_NNODES": "4", "SLURM_SUBMIT_DIR": repo, "PY": "/bin/false"}
+    out = subprocess.run(["bash", os.path.join(repo, "launch/slurm/boba_32b.sh")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert "STAGE=ppo needs -N a multiple of 8 from 8 to 128" in out.stderr and "has 4 nodes" in out.stderr

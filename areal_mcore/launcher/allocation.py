@@ -3,7 +3,8 @@
 ``sglang:d4t2+megatron:d2p2t4`` = 4 SGLang servers of tensor-parallel size 2 (8 GPUs) and a
 megatron trainer with DP 2 x PP 2 x TP 4 (16 GPUs). Letters per side, any order, each at
 most once, missing ones = 1: ``d`` data parallel (servers on the rollout side), ``t``
-tensor, ``p`` pipeline, ``c`` context parallel (trainer only). The rollout backend is
+tensor, ``p`` pipeline, ``c`` context parallel (trainer only; refused for now: the actor has no
+context parallelism, so ``c`` would silently become data parallelism). The rollout backend is
 ``sglang`` or ``embedded`` (the CPU server: its "GPUs" are processes).
 
 A trainer-only string (``megatron:d1p4t8``) is for SFT, which needs no servers.
@@ -86,7 +87,9 @@ def parse_allocation(text: str) -> Allocation:
     name the bad part."""
     parts = text.strip().split("+")
     if len(parts) == 1 and parts[0].strip().startswith(TRAINERS):
-        return Allocation(None, _side(parts[0], text))
+        trainer = _side(parts[0], text)
+        _refuse_cp(trainer, text)
+        return Allocation(None, trainer)
     if len(parts) != 2:
         raise AllocationError(f"allocation {text!r} must be '<rollout>:<dims>+megatron:<dims>', "
                               f"e.g. 'sglang:d4t2+megatron:d2p2t4', or 'megatron:<dims>' for SFT "
@@ -99,7 +102,19 @@ def parse_allocation(text: str) -> Allocation:
         raise AllocationError(f"allocation {text!r}: trainer {trainer.backend!r} is not one of {list(TRAINERS)}")
     if rollout.c > 1:
         raise AllocationError(f"allocation {text!r}: context parallelism (c) is a trainer dimension")
+    _refuse_cp(trainer, text)
     return Allocation(rollout, trainer)
+
+
+def _refuse_cp(trainer: Side, text: str) -> None:
+    # The trainer passes only tp/pp to megatron: c would silently become more data
+    # parallelism (megatron:d8c2t2 -> 16 replicas of 2 GPUs each).
+    if trainer.c > 1:
+        raise AllocationError(
+            f"allocation {text!r}: context parallelism (c{trainer.c}) is not supported yet (the actor "
+            f"would need context_parallel_size, sequences split across CP ranks and CP-aware "
+            f"logprobs); use tensor parallelism (t) or activation recompute (actor.recompute=true) "
+            f"for long sequences, e.g. {Side(trainer.backend, d=trainer.d, t=trainer.t * trainer.c, p=trainer.p)}")
 
 
 def _side(part: str, text: str) -> Side:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from areal_mcore.launcher.allocation import parse_allocation
@@ -26,6 +27,16 @@ class LaunchConfig:
     # registered across them (SGLang sets the same for its own groups).
     env: dict[str, str] = field(default_factory=lambda: {"NCCL_CUMEM_ENABLE": "0"})
     srun_args: list[str] = field(default_factory=list)  # added to every srun, e.g. --mpi=none
+    # Each srun step's share of its node. Clusters that confine steps with cgroups give a
+    # step without --cpus-per-task one CPU, and since Slurm 20.11 a step without explicit
+    # resources asks for all of the job's share of the node, so the next step there (a
+    # second rollout server) waits for it. Every step therefore asks for its GPUs' share
+    # (--exact --cpus-per-task --mem): None = the job's CPUs (SLURM_CPUS_ON_NODE) or memory
+    # (SLURM_MEM_PER_NODE, MB) on the node divided by gpus_per_node; a number fixes it
+    # (admins: the CPUs and MB one GPU may use); mem_per_gpu_mb=0 leaves --mem out (the
+    # cluster's DefMemPerCPU/DefMemPerNode apply).
+    cpus_per_gpu: int | None = None
+    mem_per_gpu_mb: int | None = None
 
     def __post_init__(self):
         alloc = parse_allocation(self.allocation)  # a malformed string fails at config load
@@ -36,3 +47,26 @@ class LaunchConfig:
                              f"'<rollout>:<dims>+megatron:<dims>', sft a trainer-only 'megatron:<dims>'")
         if self.gpus_per_node < 1 or self.max_restarts < 0:
             raise ValueError("launch.gpus_per_node must be >= 1 and launch.max_restarts >= 0")
+        if self.cpus_per_gpu is not None and self.cpus_per_gpu < 1:
+            raise ValueError(f"launch.cpus_per_gpu={self.cpus_per_gpu} must be >= 1 (or null: an even split)")
+        if self.mem_per_gpu_mb is not None and self.mem_per_gpu_mb < 0:
+            raise ValueError(f"launch.mem_per_gpu_mb={self.mem_per_gpu_mb} must be >= 0 (0: no --mem; "
+                             f"null: an even split)")
+
+    def step_resources(self, gpus: int, environ: Mapping[str, str]) -> list[str]:
+        """srun flags for a task that uses ``gpus`` of its node's ``gpus_per_node`` (on CPU
+        nodes: processes), from this section or the job's environment."""
+        cpus = self.cpus_per_gpu
+        if cpus is None:
+            on_node = int(str(environ.get("SLURM_CPUS_ON_NODE", "0")).split("(")[0] or 0)
+            cpus = max(1, on_node // self.gpus_per_node) if on_node else None
+        mem = self.mem_per_gpu_mb
+        if mem is None:
+            per_node = int(environ.get("SLURM_MEM_PER_NODE", "0") or 0)
+            mem = per_node // self.gpus_per_node if per_node else None
+        flags = ["--exact"]
+        if cpus:
+            flags.append(f"--cpus-per-task={cpus * gpus}")
+        if mem:
+            flags.append(f"--mem={mem * gpus}M")
+        return flags

@@ -125,7 +125,7 @@ class Launcher:
         for i in range(r.d):
             node = nodes[i // per_node]
             srun = self._srun(f"rollout{i}", [node], ntasks_per_node=1,
-                              gpus_per_task=r.t * r.p if self.gpus else 0)
+                              gpus_per_task=r.t * r.p if self.gpus else 0, share=r.t * r.p)
             cmd = [*srun, sys.executable, "-m", "areal_mcore.launcher.slurm", "serve", "--config", self.config,
                    "--index", str(i), "--host", node_address(node), "--rendezvous", str(rendezvous),
                    *self.overrides, f"server.tp_size={r.t}"]
@@ -150,7 +150,8 @@ class Launcher:
         t, gpn = self.alloc.trainer, self.cfg.launch.gpus_per_node
         per_node = min(t.gpus, gpn)
         master = node_address(nodes[0])
-        srun = self._srun("trainer", nodes, ntasks_per_node=1, gpus_per_node=per_node if self.gpus else 0)
+        srun = self._srun("trainer", nodes, ntasks_per_node=1, gpus_per_node=per_node if self.gpus else 0,
+                          share=per_node)
         # Static rendezvous: node rank = the srun task's rank (one task per node). torchrun's
         # c10d rendezvous fails at exit when the node hosting its store leaves first.
         torchrun = ["bash", "-c", 'exec "$0" -m torch.distributed.run --node-rank="$SLURM_PROCID" "$@"',
@@ -163,8 +164,10 @@ class Launcher:
         self.steps["trainer"] = subprocess.Popen([*srun, *torchrun, *train])
         self.status.update(state="RUNNING")
 
-    def _srun(self, name: str, nodes: list[str], *, ntasks_per_node: int, gpus_per_task: int = 0,
+    def _srun(self, name: str, nodes: list[str], *, ntasks_per_node: int, share: int, gpus_per_task: int = 0,
               gpus_per_node: int = 0) -> list[str]:
+        """An srun step of ``ntasks_per_node`` tasks per node, each using ``share`` of the
+        node's GPUs (or processes): it gets that share of the node's CPUs and memory."""
         # --ntasks too: srun would otherwise take the job's SLURM_NTASKS from the environment.
         cmd = ["srun", f"--job-name={name}", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}",
                f"--ntasks={len(nodes) * ntasks_per_node}", f"--ntasks-per-node={ntasks_per_node}",
@@ -174,6 +177,7 @@ class Launcher:
             cmd.append(f"--gpus-per-task={gpus_per_task}")
         if gpus_per_node:
             cmd.append(f"--gpus-per-node={gpus_per_node}")
+        cmd += self.cfg.launch.step_resources(share, os.environ)
         return cmd + list(self.cfg.launch.srun_args)
 
     def _watch(self) -> int:

@@ -23,6 +23,15 @@ source "${SLURM_SUBMIT_DIR:-.}/launch/slurm/_common.sh"
 nodes=${SLURM_NNODES:-4}
 case "${STAGE:-sft}" in
   sft) areal_launch configs/boba_32b_sft.yaml "megatron:d$((nodes / 4))p4t8" launch.stage=sft "$@" ;;
-  ppo) areal_launch configs/boba_32b_ppo.yaml "sglang:d${nodes}t4+megatron:d$((nodes / 8))p4t8" "$@" ;;
+  ppo)
+    # Half the nodes serve (2 SGLang TP-4 servers a node), half train (4-node PP4 x TP8
+    # replicas): N = 8, 16, ..., 128. The header's -N 4 is the SFT layout.
+    if ((nodes < 8 || nodes % 8 || nodes > 128)) && [ -z "${ALLOC:-}" ]; then
+      echo "[sbatch] STAGE=ppo needs -N a multiple of 8 from 8 to 128 (half the nodes for SGLang TP-4" \
+        "servers, half for 4-node PP4 x TP8 trainer replicas), e.g. STAGE=ppo sbatch -N 16" \
+        "launch/slurm/boba_32b.sh; this job has ${nodes} nodes (or set ALLOC)" >&2
+      exit 2
+    fi
+    areal_launch configs/boba_32b_ppo.yaml "sglang:d${nodes}t4+megatron:d$((nodes / 8))p4t8" "$@" ;;
   *) echo "[sbatch] STAGE=${STAGE} is not one of: sft, ppo" >&2; exit 2 ;;
 esac
