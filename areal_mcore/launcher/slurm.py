@@ -178,6 +178,7 @@ class Launcher:
         if gpus_per_node:
             cmd.append(f"--gpus-per-node={gpus_per_node}")
         cmd += self.cfg.launch.step_resources(share, os.environ)
+        print(f"[launcher] step {name}: {' '.join(cmd)}", flush=True)  # what admins check first
         return cmd + list(self.cfg.launch.srun_args)
 
     def _watch(self) -> int:
