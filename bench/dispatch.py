@@ -6,7 +6,10 @@ In one run, for DP 2 and 4 (one gloo rank per replica): rank 0 builds a seeded b
 * baseline: ``broadcast_object_list`` of the whole batch to every rank (what PPORun did
   before #16); each rank then takes its groups;
 * dispatch: ``Dispatcher.dispatch`` (trainer/dispatch.py): each replica's groups packed into
-  one byte buffer and sent once to it.
+  one byte buffer and sent once to it, (a) converting the lists at dispatch time and (b)
+  with a ``SamplePacker`` that converted each group as it arrived (what PPORun does: the
+  controller's ``on_group`` runs while other groups still generate; its time is printed
+  as "on arrival" and is not on the dispatch path).
 
 Both on the same batch, in the same processes. Printed: bytes and seconds per step on
 rank 0 and on the slowest receiver, the ratio of rank 0's dispatch cost to the pickled
@@ -34,7 +37,7 @@ import torch.multiprocessing as mp
 
 from areal_mcore.rollout.controller import Sample
 from areal_mcore.rollout.launcher import free_port
-from areal_mcore.trainer.dispatch import Dispatcher, split_groups
+from areal_mcore.trainer.dispatch import Dispatcher, SamplePacker, split_groups
 from areal_mcore.trainer.dispatch_projection import (
     BatchShape,
     DispatchLink,
@@ -87,6 +90,20 @@ def _rank(rank, world, port, shape, samples_n, queue):
         out["dispatch_s"] = time.perf_counter() - t
         out.update(pack_s=st.pack_s, send_s=st.send_s, bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
                    shard_samples=shard.num_samples)
+        packer = None
+        if rank == 0:
+            packer = SamplePacker()
+            t = time.perf_counter()
+            for i in range(0, len(samples), group):
+                packer(samples[i:i + group])
+            out["on_arrival_s"] = time.perf_counter() - t
+        dist.barrier()
+        t = time.perf_counter()
+        shard2, st = d.dispatch(samples, group, packer)
+        out["dispatch_arrays_s"] = time.perf_counter() - t
+        out.update(pack_arrays_s=st.pack_s, same_shard=bool(torch.equal(shard2.tokens, shard.tokens)
+                                                             and torch.equal(shard2.logprobs, shard.logprobs)))
+        del packer
     if rank == 0:
         t = time.perf_counter()
         blob = pickle.dumps(samples)
@@ -98,13 +115,8 @@ def _rank(rank, world, port, shape, samples_n, queue):
         out["tokens"] = sum(len(s.prompt_ids) + len(s.output_ids) for s in samples)
         out["response_tokens"] = sum(len(s.output_ids) for s in samples)
         out["samples"] = len(samples)
-        # Samples that hold arrays from the client: the pack is a concatenation.
-        arrays = [(np.asarray(s.prompt_ids + s.output_ids, np.int32), np.asarray(s.logprobs, np.float32),
-                   np.asarray(s.versions, np.int32)) for s in samples]
-        t = time.perf_counter()
-        parts = [torch.from_numpy(np.concatenate([a[i] for a in arrays])) for i in range(3)]
-        out["concat_s"] = time.perf_counter() - t
-        out["concat_bytes"] = sum(p.nbytes for p in parts)
+        out["concat_s"] = out["pack_arrays_s"]  # the pack when samples arrived as arrays
+        out["concat_bytes"] = out["bytes_sent"] * world / max(world - 1, 1)
     dist.destroy_process_group()
     queue.put((rank, out))
 
@@ -138,6 +150,10 @@ def main(argv=None) -> dict:
                    "slowest_pickled_s": max(r["pickled_s"] for r in ranks),
                    "slowest_dispatch_s": max(r["dispatch_s"] for r in ranks),
                    "ratio_rank0": r0["dispatch_s"] / r0["pickled_s"],
+                   "rank0_dispatch_arrays_s": r0["dispatch_arrays_s"], "rank0_on_arrival_s": r0["on_arrival_s"],
+                   "ratio_rank0_arrays": r0["dispatch_arrays_s"] / r0["pickled_s"],
+                   "slowest_dispatch_arrays_s": max(r["dispatch_arrays_s"] for r in ranks),
+                   "same_shard": all(r["same_shard"] for r in ranks),
                    "ratio_rank0_wire_only": r0["send_s"] / r0["pickled_s"],
                    "received_samples": [r["shard_samples"] for r in ranks],
                    "pickle_s": r0["pickle_s"], "unpickle_s": r0["unpickle_s"], "concat_s": r0["concat_s"],
@@ -149,7 +165,9 @@ def main(argv=None) -> dict:
                   f"{row['dispatch_bytes_sent'] / 1e6:.1f} MB sent: rank 0 {row['rank0_dispatch_s']:.3f} s (pack "
                   f"{row['rank0_pack_s']:.3f} + send {row['rank0_send_s']:.3f}), slowest "
                   f"{row['slowest_dispatch_s']:.3f} s | rank 0 ratio {row['ratio_rank0']:.2f} (wire only "
-                  f"{row['ratio_rank0_wire_only']:.3f})", flush=True)
+                  f"{row['ratio_rank0_wire_only']:.3f}) | packed on arrival ({row['rank0_on_arrival_s']:.3f} s, off "
+                  f"the path): rank 0 {row['rank0_dispatch_arrays_s']:.3f} s, slowest "
+                  f"{row['slowest_dispatch_arrays_s']:.3f} s, ratio {row['ratio_rank0_arrays']:.3f}", flush=True)
     boba = [r for r in rows if r["shape"] == "boba"][-1]
     elems = boba["tokens"] + 2 * boba["response_tokens"]
     t_elem = boba["rank0_pack_s"] / elems

@@ -13,7 +13,7 @@ from test_ppo_e2e import _overrides
 from areal_mcore.config import load_config
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
 from areal_mcore.rollout.controller import Sample
-from areal_mcore.trainer.dispatch import Dispatcher, RolloutShard, split_groups
+from areal_mcore.trainer.dispatch import Dispatcher, RolloutShard, SamplePacker, split_groups
 
 
 def _samples(n_groups: int, n: int, seed: int = 0) -> list[Sample]:
@@ -45,6 +45,22 @@ def test_shard_bytes_round_trip_and_values_match_the_samples():
     # float32 exactly as torch.tensor(list).float() rounds them (what the batch used before)
     assert torch.equal(shard.logprobs, torch.tensor([lp for s in samples for lp in s.logprobs]).float())
     assert shard.nbytes == shard.to_bytes().numel() == RolloutShard.nbytes_of(shard.header())
+
+
+def test_arrays_packed_on_arrival_give_the_same_shard_and_die_with_their_samples():
+    import gc
+
+    samples = _samples(3, 4)
+    packer = SamplePacker()
+    for i in range(0, len(samples), 4):  # as RolloutController.on_group sees them
+        packer(samples[i:i + 4])
+    assert _as_lists(RolloutShard.from_samples(samples, packer)) == _as_lists(RolloutShard.from_samples(samples))
+    assert RolloutShard.from_samples(samples + _samples(1, 4, seed=5), packer).num_samples == 16  # lists fallback
+    assert len(packer) == 12
+    assert RolloutShard.from_samples([], packer).num_samples == 0  # a replica without groups
+    del samples
+    gc.collect()
+    assert len(packer) == 0
 
 
 def _dispatch_rank(rank, world, samples, n):
@@ -95,8 +111,9 @@ def _ppo_rank(rank, world, overrides, pickled):
     else:
         real = Dispatcher.dispatch
 
-        def recording(self, samples, group_size):
-            shard, st = real(self, samples, group_size)
+        def recording(self, samples, group_size, packer=None):
+            assert rank != 0 or packer.arrays_of(samples) is not None  # packed as they arrived
+            shard, st = real(self, samples, group_size, packer)
             expected = ([_as_lists(RolloutShard.from_samples(p)) for p in split_groups(samples, group_size, 2)]
                         if rank == 0 else None)
             seen.append((_as_lists(shard), expected, st.bytes_received))

@@ -90,6 +90,9 @@ class RolloutController:
     def __init__(self, cfg: RolloutConfig, client: RolloutClient, reward_fn: RewardFn,
                  decode: Callable[[list[int]], str]):
         self.cfg = cfg
+        # Called with each finished group on the loop's thread, while others still generate
+        # (the trainer packs samples into arrays there, off its dispatch path).
+        self.on_group: Callable[[list[Sample]], None] | None = None
         self.client = client
         self.reward_fn = reward_fn
         self.decode = decode
@@ -122,11 +125,14 @@ class RolloutController:
         texts = [self.decode(c.output_ids) for c in comps]
         async with self._reward_lock:
             rewards = await self.reward_fn(texts, [list(prompt.solutions)] * len(comps))
-        return [Sample(group=gid, prompt_ids=list(prompt.input_ids), output_ids=c.output_ids,
-                       logprobs=c.logprobs, versions=[_version(v) for v in c.versions],
-                       reward=float(r), finish_reason=c.finish_reason["type"],
-                       start_version=start_version, failovers=c.attempts)
-                for c, r in zip(comps, rewards)]
+        samples = [Sample(group=gid, prompt_ids=list(prompt.input_ids), output_ids=c.output_ids,
+                          logprobs=c.logprobs, versions=[_version(v) for v in c.versions],
+                          reward=float(r), finish_reason=c.finish_reason["type"],
+                          start_version=start_version, failovers=c.attempts)
+                   for c, r in zip(comps, rewards)]
+        if self.on_group is not None:
+            self.on_group(samples)
+        return samples
 
     # ---- synchronous mode --------------------------------------------------------------
     async def rollout_batch(self, prompts: list[Prompt]) -> RolloutBatch:

@@ -28,7 +28,7 @@ from areal_mcore.config import ExperimentConfig, PPOConfig
 from areal_mcore.trainer import stats as S
 from areal_mcore.trainer.batch import to_train_batch
 from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
-from areal_mcore.trainer.dispatch import Dispatcher
+from areal_mcore.trainer.dispatch import Dispatcher, SamplePacker
 
 
 def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens):
@@ -94,6 +94,7 @@ class PPORun:
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.servers, self.pool, self.client, self.controller, self.syncer = [], None, None, None, None
+        self.packer = None  # rank 0's SamplePacker
         self.logger, self.phases, self.hf_dir = None, None, None
         self.run_dir = Path(cfg.trainer.log_dir) / cfg.experiment_name
         # The loop lives on its own thread so that async rollouts go on while this thread
@@ -193,6 +194,8 @@ class PPORun:
         self._run(self.client.start())
         self.decode = partial(self.tokenizer.decode, skip_special_tokens=True)
         self.controller = RolloutController(cfg.rollout, self.client, self.pool.ascore, self.decode)
+        self.packer = SamplePacker()  # each group becomes arrays as it arrives (dispatch concatenates)
+        self.controller.on_group = self.packer
         self.eval_prompts = []
         if cfg.eval_dataset is not None and cfg.trainer.eval_freq:
             self.eval_prompts, _ = build_prompts(load_problems(cfg.eval_dataset)[0], self.tokenizer,
@@ -215,7 +218,7 @@ class PPORun:
                 out = self._run(self.controller.rollout_batch(batch))
             self.logger.dump_rollouts(step + 1, out.samples, self.decode)
             samples, stats = out.samples, out.stats
-        shard, moved = self.dispatcher.dispatch(samples, self.cfg.rollout.n_samples)
+        shard, moved = self.dispatcher.dispatch(samples, self.cfg.rollout.n_samples, self.packer)
         stats = collectives.broadcast_object(stats, 0, dist.group.WORLD)  # a few scalars
         if self.rank == 0:
             stats = {**stats, "dispatch/bytes": float(moved.bytes_sent),
