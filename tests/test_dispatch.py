@@ -145,3 +145,18 @@ def test_ppo_at_dp2_with_dispatch_trains_bitwise_like_the_pickled_broadcast(tmp_
         assert got0 == expected[0] and got1 == expected[1], step  # rank 1 got replica 1's samples only
         b, t, o = (len(expected[1][k]) for k in ("rewards", "tokens", "logprobs"))
         assert received1 == 24 + 20 * b + 4 * t + 8 * o  # header + int64 x 2, float32 per sample...
+
+
+def test_the_dispatch_cost_model_adds_its_documented_terms():
+    from areal_mcore.trainer.dispatch_projection import BatchShape, DispatchLink, predict_dispatch_s
+
+    shape = BatchShape(samples=10, tokens=1000, response_tokens=600)  # 4*1000 + 8*600 + 20*10 bytes
+    assert shape.wire_bytes == 9000 and shape.elements == 2200
+    link = DispatchLink(link_GBps=1e-6, mp_GBps=1e-6, h2d_GBps=1e-6, alpha_s=0.5)  # 1 kB/s: seconds = kB
+    p = predict_dispatch_s(shape, replicas=4, mp_size=8, t_elem_s=1e-3, link=link)
+    assert p["pack_s"] == pytest.approx(2.2) and p["h2d_s"] == pytest.approx(9.0)
+    assert p["send_s"] == pytest.approx(9.0 * 3 / 4 + 2 * 3 * 0.5)  # three heads, header + buffer each
+    assert p["bcast_s"] == pytest.approx(9.0 / 4 + 2 * 3 * 0.5)  # a quarter, log2(8) = 3 hops
+    assert p["total_s"] == pytest.approx(sum(v for k, v in p.items() if k != "total_s"))
+    arrays = predict_dispatch_s(shape, replicas=4, mp_size=8, t_elem_s=1e-3, link=link, concat_GBps=1e-6)
+    assert arrays["pack_s"] == pytest.approx(18.0)  # two copies of the buffer

@@ -6,7 +6,8 @@ per sample, so the batch is ``B = 4 N_T + 8 N_O + 20 S`` bytes over ``D`` replic
 (D = trainer GPUs / (tp x pp)); every replica has ``tp x pp = M`` ranks::
 
     pack    = E * t_elem                 E = N_T + 2 N_O elements, Python lists -> arrays
-              (or B / concat_bw when samples already hold arrays from the client)
+              (or 2 B / copy_bw when samples hold arrays from arrival: one copy to
+              concatenate them, one into the wire buffer)
     h2d     = B / h2d_bw                 NCCL sends from the GPU: the buffer goes up once
     send    = B (D - 1) / D / link_bw + 2 (D - 1) alpha      rank 0 -> each head, in turn
     bcast   = (B / D) / mp_bw + 2 ceil(log2 M) alpha         head -> its TP x PP peers
@@ -55,9 +56,9 @@ class BatchShape:
 def predict_dispatch_s(shape: BatchShape, *, replicas: int, mp_size: int, t_elem_s: float,
                        link: DispatchLink, concat_GBps: float | None = None) -> dict[str, float]:
     """Seconds of one per-replica dispatch, and its parts. ``concat_GBps`` set: the
-    samples already hold arrays (pack is a concatenation)."""
+    samples already hold arrays (pack is two host copies at that rate)."""
     b, d = shape.wire_bytes, replicas
-    pack = b / (concat_GBps * GB) if concat_GBps else shape.elements * t_elem_s
+    pack = 2 * b / (concat_GBps * GB) if concat_GBps else shape.elements * t_elem_s
     h2d = b / (link.h2d_GBps * GB)
     send = b * (d - 1) / d / (link.link_GBps * GB) + 2 * (d - 1) * link.alpha_s
     bcast = (b / d) / (link.mp_GBps * GB) + 2 * math.ceil(math.log2(mp_size)) * link.alpha_s if mp_size > 1 else 0.0
