@@ -155,9 +155,9 @@ def test_to_train_batch_over_an_nccl_like_group_with_inputs_on_the_gpu_equals_gl
     for rank, out in enumerate(run_gloo(_nccl_like_dp, 2)):
         assert out["raw_cpu"] == "No backend type associated with device type cpu"  # the emulation bites
         assert out["host"] == ([3.0], "cpu")
-        assert out["cpu"] == out["gpu"] == {"loss_mask": True, "behave": True, "versions": True, "adv": True,
-                                            "input_ids": True}
-        assert out["gpu_fields"] == {k: ("cuda:0", True) for k in ("loss_mask", "behave", "versions", "adv")}
+        fields = ("loss_mask", "behave", "versions", "empty_response", "adv")
+        assert out["cpu"] == out["gpu"] == {**dict.fromkeys(fields, True), "input_ids": True}
+        assert out["gpu_fields"] == {k: ("cuda:0", True) for k in fields}
         assert len(out["bins"]) == 3 and sorted(i for b in out["bins"] for i in b) == list(range(3 + 2 * rank))
-        # host + allocator + 3 per batch (advantage mean; mean and square sum for the std) x 2
-        assert out["log"] == ["all_reduce"] * 8
+        # host + allocator + 2 per batch (the advantage normalisation's sums) x 2
+        assert out["log"] == ["all_reduce"] * 6
