@@ -72,6 +72,18 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
     return _in_place(tensor, group, lambda t: dist.broadcast(t, src=src, group=group))
 
 
+def broadcast_many(tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
+    """Broadcasts from global rank ``src``, queued back to back and then awaited (the
+    weight sync's tensors already live on the actor's device, which the group serves)."""
+    moved = [on_group_device(t, group) for t in tensors]
+    works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in moved]
+    for w in works:
+        w.wait()
+    for t, m in zip(tensors, moved):
+        if m is not t:
+            t.copy_(m)
+
+
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape everywhere), in group-rank order, on
     ``tensor``'s device."""

@@ -28,9 +28,6 @@ COLLECTIVES = {
 GROUP_METHODS = {"allreduce", "allgather", "broadcast", "send", "recv", "barrier", "reduce_scatter", "alltoall"}
 ALLOWED = {
     "areal_mcore/collectives.py": "the one place",
-    # The lead rewrites syncer.py (issue 15) and routes its collectives through collectives.py
-    # when merging; its buffers already live on the actor's device.
-    "areal_mcore/weight_sync/syncer.py": "converted by the lead (issue 15)",
     # The embedded rollout server's side of the weight-update group, formed like SGLang's
     # init_custom_process_group; on GPU clusters SGLang itself stands here.
     "areal_mcore/rollout/weights.py": "inference side (SGLang's role)",

@@ -35,8 +35,8 @@ import uuid
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from areal_mcore import collectives
 from areal_mcore.model import adapter
 from areal_mcore.rollout.client import ClientConfig, RolloutClient, RolloutError
 from areal_mcore.rollout.launcher import free_port
@@ -252,9 +252,8 @@ class WeightSyncer:
         if not self.participates:
             return
         group = self.g.mp if self.cfg.mode == "distributed" else None  # disk: every rank
-        everyone: list = [None] * dist.get_world_size(group)
-        await asyncio.to_thread(dist.all_gather_object, everyone,
-                                (stats.failures, stats.failed_servers), group=group)
+        everyone = await asyncio.to_thread(collectives.all_gather_object,
+                                           (stats.failures, stats.failed_servers), group)
         messages = [m for ms, _ in everyone for m in ms]
         servers = sorted({s for _, ss in everyone for s in ss})
         if messages:
@@ -316,8 +315,7 @@ class WeightSyncer:
             if g.tp_size == 1:
                 shards[0][name] = local
                 continue
-            parts = [torch.empty_like(local) for _ in range(g.tp_size)]
-            dist.all_gather(parts, local.contiguous(), group=g.tp)
+            parts = collectives.all_gather(local, g.tp)
             for r in range(g.tp_size):
                 shards[r][name] = parts[r]
         t1 = time.perf_counter()
@@ -334,9 +332,8 @@ class WeightSyncer:
         return payload
 
     def _broadcast(self, payload: list[torch.Tensor]) -> None:
-        works = [self._group.broadcast(t, 0) for t in payload]  # queued back to back
-        for w in works:
-            w.wait()
+        # src 0 is the trainer: the group maps its ranks to themselves (weight_sync/group.py)
+        collectives.broadcast_many(payload, 0, self._group)
 
     async def _push_disk(self, version: int, stats: SyncStats) -> None:
         from areal_mcore.convert.save_hf import save_hf
