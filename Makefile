@@ -4,11 +4,15 @@ PY := $(VENV)/bin/python
 # CPU wheel pinned here only; in an NVIDIA container create the venv with
 # VENV_FLAGS=--system-site-packages and TORCH_SPEC= to keep the container's CUDA torch.
 TORCH_SPEC ?= torch==2.13.0
+# This venv is the 0.16.1 end of setup.py's megatron-core range (the 0.19 end: see
+# install-mcore019); MCORE_SPEC= keeps whatever megatron-core is there.
+MCORE_SPEC ?= megatron-core==0.16.1
 VENV_FLAGS ?=
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps sglang-wheels test lint run bench clean slurm-up slurm-down
+.PHONY: install install-mcore019 test-mcore019 sysdeps sglang-wheels test lint run bench clean \
+	slurm-up slurm-down
 
 install: $(STAMP)
 
@@ -16,8 +20,50 @@ $(STAMP): setup.py Makefile
 	test -x $(PY) || python3 -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(TORCH_SPEC),$(PY) -m pip install --quiet "$(TORCH_SPEC)")
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev]" $(if $(MCORE_SPEC),"$(MCORE_SPEC)")
 	touch $(STAMP)
+
+# A second venv at the other end of the tested megatron-core range (setup.py): 0.19.x, the
+# version NVIDIA's containers ship, which needs Python >= 3.12. torch's CPU wheel is local
+# only for cp311, so this venv takes PyPI's cp312 torch (the CUDA build; it runs on CPU).
+# torch, megatron-core and their dependencies (~3 GB, mostly nvidia wheels) are downloaded
+# into a wheelhouse kept per machine and installed from there: pip's own HTTP cache stored
+# nothing on these machines (measured: ~/.cache/pip stayed empty), and `pip download`
+# skips files already in its --dest.
+# `-e .[dev]` is constrained to the torch already there; megatron-core is deliberately
+# left free, and the last check fails if setup.py's range replaced the installed 0.19.x.
+VENV019 ?= .venv-mcore019
+PY312 ?= /root/.pyenv/versions/3.12.1/bin/python3.12
+TORCH019_SPEC ?= torch==2.13.0
+MCORE019_SPEC ?= megatron-core==0.19.2
+WHEELS019 ?= $(HOME)/.cache/areal-mcore/wheels-cp312
+PY019 := $(VENV019)/bin/python
+STAMP019 := $(VENV019)/.installed
+FROZEN019 = $(PY019) -m pip freeze | grep -E '^(torch|megatron-core)=='
+
+install-mcore019: $(STAMP019)
+
+$(STAMP019): setup.py Makefile
+	test -x $(PY019) || $(PY312) -m venv $(VENV019)
+	$(PY019) -m pip install --quiet --upgrade pip
+	$(PY019) -m pip download --quiet --dest $(WHEELS019) "$(TORCH019_SPEC)" "$(MCORE019_SPEC)"
+	$(PY019) -m pip install --quiet --no-index --find-links $(WHEELS019) \
+	  "$(TORCH019_SPEC)" "$(MCORE019_SPEC)"
+	$(FROZEN019) > $(VENV019)/before.txt
+	grep '^torch==' $(VENV019)/before.txt > $(VENV019)/torch-constraint.txt
+	$(PY019) -m pip install --quiet -c $(VENV019)/torch-constraint.txt -e ".[dev]"
+	$(FROZEN019) | diff $(VENV019)/before.txt - \
+	  || { echo "pip install -e . changed torch/megatron-core (above): check setup.py's range"; exit 1; }
+	touch $(STAMP019)
+
+# The megatron-touching tests (actor, checkpoint, conversion, weight sync, SFT, tiny PPO
+# e2e, the shims) under megatron-core 0.19, and the cross-version checkpoint test against
+# the main venv's 0.16.1. None needs Slurm or the SGLang wheels.
+MCORE_TESTS := tests/test_cpu_shims.py tests/test_actor.py tests/test_checkpoint.py \
+	tests/test_convert.py tests/test_weight_sync.py tests/test_sft.py tests/test_ppo_e2e.py \
+	tests/test_mcore_versions.py
+test-mcore019: install install-mcore019
+	AREAL_MCORE_OTHER_PY=$(abspath $(PY)) $(PY019) -m pytest $(MCORE_TESTS) $(PYTEST_ARGS)
 
 # What the suite needs from the system (root, or sudo): a real Slurm cluster on this
 # machine (2 virtual nodes, accounting) and shellcheck for the sbatch scripts.
@@ -43,8 +89,10 @@ slurm-down:
 	bash scripts/slurm_local_down.sh
 
 # AREAL_REQUIRE_SYSDEPS: Slurm/shellcheck tests fail instead of skipping when missing.
+# Then the megatron tests again under megatron-core 0.19 (test-mcore019).
 test: install sysdeps sglang-wheels
 	AREAL_REQUIRE_SYSDEPS=1 SGLANG_WHEELS=$(SGLANG_WHEELS) $(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-mcore019
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -59,4 +107,4 @@ run: install
 	PY=$(PY) scripts/quickstart.sh
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV019) *.egg-info .pytest_cache .hypothesis

@@ -6,8 +6,10 @@ from setuptools import find_packages, setup
 # the Makefile pins the CPU wheel (torch==2.13.0) for the CPU install path.
 INSTALL_REQUIRES = [
     "torch>=2.6",
-    # 0.17+ needs Python >= 3.12; 0.16.1 is the version tested on CPU (see DESIGN.md).
-    "megatron-core==0.16.1",
+    # A tested range, not a pin, so NVIDIA containers keep their megatron-core: `make test`
+    # runs the megatron tests on both ends (0.16.1 on Python 3.11, 0.19.2 on 3.12; 0.17+
+    # needs Python >= 3.12). Version-dependent code lives in areal_mcore/model/mcore_compat.py.
+    "megatron-core>=0.16.1,<0.20",
     # megatron's dist_checkpointing saves hang without psutil, which it does not declare.
     "psutil",
     "omegaconf>=2.3",

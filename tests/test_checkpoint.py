@@ -150,3 +150,29 @@ def test_model_mismatch_lists_every_differing_field():
         _check_compatible(saved, _fake_actor(hidden_size=128, rope_theta=1e6), Path("ck"))
     assert "hidden_size: checkpoint 64 vs model 128" in str(e.value)
     assert "rope_theta: checkpoint 10000.0 vs model 1000000.0" in str(e.value)
+
+
+def test_a_checkpoint_of_a_newer_megatron_core_is_refused_naming_both_versions():
+    from areal_mcore.model.mcore_compat import MCORE_VERSION, MCORE_VERSION_STR
+    from areal_mcore.trainer.checkpoint import _check_compatible
+
+    actor = _fake_actor()
+    newer = f"{MCORE_VERSION[0]}.{MCORE_VERSION[1] + 1}.0+abc1234"
+    saved = {**_manifest(actor), "versions": {"megatron_core": newer}}
+    with pytest.raises(ValueError) as e:
+        _check_compatible(saved, actor, Path("ck"))
+    assert f"saved by megatron-core {newer}" in str(e.value)
+    assert f"this run has megatron-core {MCORE_VERSION_STR}" in str(e.value)
+    assert "mcore-to-hf" in str(e.value)
+    for loadable in (MCORE_VERSION_STR, "0.16.1", f"{MCORE_VERSION[0]}.{MCORE_VERSION[1]}.99"):
+        _check_compatible({**_manifest(actor), "versions": {"megatron_core": loadable}}, actor, Path("ck"))
+
+
+def test_megatron_core_versions_parse_with_local_and_pre_release_parts():
+    from areal_mcore.model.mcore_compat import parse_version
+
+    assert parse_version("0.19.2+f8f4eb2") == (0, 19, 2)
+    assert parse_version("0.20.0rc1") == (0, 20, 0)
+    assert parse_version("1.2") == (1, 2, 0)
+    with pytest.raises(ValueError, match="not a megatron-core version"):
+        parse_version("dev")

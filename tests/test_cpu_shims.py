@@ -33,3 +33,15 @@ def test_cpu_rng_tracker_forks_and_restores_the_default_generator():
     assert torch.equal(inside, torch.rand(3, generator=torch.Generator().manual_seed(1234)))
     with tracker.fork():
         assert not torch.equal(torch.rand(3), inside)  # the named state advanced
+
+
+def test_modules_with_cuda_streams_get_cpu_streams_and_torch_cuda_is_untouched():
+    # megatron-core 0.19: param_and_grad_buffer.start_grad_sync calls
+    # torch.cuda.current_stream() on every step (tests/test_actor.py trains through it).
+    current_stream = torch.cuda.current_stream
+    cpu_torch = cpu_shims._CPUTorch()
+    stream = cpu_torch.cuda.current_stream()
+    assert isinstance(stream, torch.cpu.Stream)
+    stream.wait_stream(stream)  # what megatron calls on it: no-ops on CPU
+    assert cpu_torch.cuda.is_available is torch.cuda.is_available
+    assert torch.cuda.current_stream is current_stream

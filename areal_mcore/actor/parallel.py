@@ -10,6 +10,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from areal_mcore.config import ParallelConfig
+from areal_mcore.model import mcore_compat
 from areal_mcore.model.cpu_shims import apply_cpu_shims
 
 
@@ -50,6 +51,7 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> ParallelGroups:
     world = dist.get_world_size()
     if world % (cfg.tp * cfg.pp):
         raise ValueError(f"world size {world} is not divisible by tp={cfg.tp} x pp={cfg.pp}")
+    mcore_compat.warn_if_untested()
     apply_cpu_shims()
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()

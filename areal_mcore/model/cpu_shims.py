@@ -1,7 +1,8 @@
-"""Lets megatron-core 0.16.1 run on CPU with gloo: narrow redirects of CUDA-only calls.
+"""Lets megatron-core run on CPU with gloo: narrow redirects of CUDA-only calls.
 
 Applied once, and only when CUDA is absent (``apply_cpu_shims``); on a GPU machine this
-module changes nothing. Each shim names the megatron call site it serves.
+module changes nothing. Each shim names the megatron call site it serves and, where a
+call site exists only in some of the tested versions (``mcore_compat``), the version.
 """
 
 from __future__ import annotations
@@ -102,6 +103,24 @@ def _no_op_synchronize() -> None:
     torch.cuda.synchronize = lambda *_, **__: None
 
 
+class _CPUCuda(types.ModuleType):
+    """``torch.cuda`` as seen by one megatron module: streams are torch's CPU streams.
+
+    megatron-core 0.19 (not 0.16.1): distributed/param_and_grad_buffer.py,
+    ``_ParamAndGradBucketGroup.start_grad_sync`` takes ``torch.cuda.current_stream()`` on
+    every call, to wait on CUDA-graph gradient events that CPU params never carry. torch's
+    CPU stream has the same ``wait_event``/``wait_stream`` (no-ops: CPU work is in order).
+    """
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+
+    def __getattr__(self, name):
+        if name == "current_stream":
+            return lambda *_, **__: torch.cpu.current_stream()
+        return getattr(torch.cuda, name)
+
+
 class _CPUTorch(types.ModuleType):
     """``torch`` as seen by one megatron module, with ``device="cuda"`` factories on CPU."""
 
@@ -109,6 +128,7 @@ class _CPUTorch(types.ModuleType):
 
     def __init__(self):
         super().__init__("torch")
+        self.cuda = _CPUCuda()
 
     def __getattr__(self, name):
         attr = getattr(torch, name)

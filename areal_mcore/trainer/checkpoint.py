@@ -13,7 +13,8 @@ A checkpoint is written into a hidden temporary folder, fsynced, and renamed int
 before ``latest`` is replaced (also by rename), so a crash mid-save leaves the previous
 checkpoint and pointer untouched. Resuming with another data-parallel size works (the
 optimizer state is saved DP-reshardable); another TP/PP layout is rejected with a
-message pointing at the HF conversion tools.
+message pointing at the HF conversion tools, and so is a checkpoint saved by a newer
+megatron-core than the one running (``mcore_compat.resume_refusal``; older ones load).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import megatron.core
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from areal_mcore import collectives
 from areal_mcore.actor import MegatronActor
+from areal_mcore.model import mcore_compat
 from areal_mcore.model.args import ModelArgs, args_mismatch
 
 FORMAT = "areal-mcore-ckpt-v1"
@@ -95,7 +96,8 @@ class Checkpointer:
                 "format": FORMAT, "step": step, "weight_version": weight_version,
                 "layout": {"tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size,
                            "world": dist.get_world_size(self.group)},
-                "versions": {"torch": torch.__version__, "megatron_core": megatron.core.__version__},
+                "versions": {"torch": torch.__version__,
+                             "megatron_core": mcore_compat.MCORE_VERSION_STR},
                 "model_args": dataclasses.asdict(actor.args),
                 "hf_config": actor.hf_config.to_dict(),
                 "config": config_snapshot or {},
@@ -164,6 +166,10 @@ def _check_compatible(manifest: dict, actor: MegatronActor, path: Path) -> None:
             f"actor.parallel.tp/pp to match, or export to HF and import at the new layout "
             f"(tools/convert_ckpt). Another data-parallel size is fine."
         )
+    saved_mcore = manifest.get("versions", {}).get("megatron_core")
+    refusal = saved_mcore and mcore_compat.resume_refusal(saved_mcore)
+    if refusal:
+        raise ValueError(f"{path} cannot be resumed: {refusal}")
     diff = args_mismatch(ModelArgs(**manifest["model_args"]), actor.args, "checkpoint", "model")
     if diff:
         raise ValueError(f"{path}: the model does not match the checkpoint ({diff})")
