@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 
 
 def parse_size(text: str) -> int:
@@ -54,7 +55,17 @@ def add_convert_parsers(sub) -> None:
 
 def run_convert(a) -> int:
     from areal_mcore.convert.tools import hf_to_mcore, mcore_to_hf
+    from areal_mcore.paths import PathError, check_hf_model, check_writable_dir
 
+    check_writable_dir("--output", a.output)
+    if a.direction == "mcore-to-hf":
+        if not Path(a.input).is_dir():
+            raise PathError(f"--input={a.input}: no such folder; expected a checkpoint folder "
+                            "(step_XXXXXXXX) or a checkpoint root with 'latest'")
+        if a.hf_config:
+            check_hf_model("--hf-config", a.hf_config, weights=False)
+    else:
+        check_hf_model("--input", a.input)
     if a.direction == "mcore-to-hf":
         index = mcore_to_hf(a.input, a.output, hf_config_dir=a.hf_config, tokenizer_dir=a.tokenizer,
                             dtype=a.dtype, max_shard_bytes=a.max_shard_size, verify=a.verify,
@@ -96,7 +107,19 @@ def add_filter_parsers(sub) -> None:
 def run_filter(a) -> int:
     from areal_mcore.data.filters import difficulty_filter, length_filter
     from areal_mcore.data.jsonl import DatasetConfig
+    from areal_mcore.paths import (
+        check_dataset,
+        check_readable_file,
+        check_tokenizer,
+        check_writable_dir,
+    )
 
+    check_dataset("--data", a.data)
+    check_writable_dir("--out", str(Path(a.out).parent))
+    if a.kind == "difficulty":
+        check_readable_file("--samples", a.samples, "a JSONL file of completions")
+    else:
+        check_tokenizer("--tokenizer", a.tokenizer)
     cfg = DatasetConfig(path=a.data, skip_bad_rows=a.skip_bad_rows)
     if a.kind == "difficulty":
         from areal_mcore.reward.pool import RewardPool, RewardPoolConfig
@@ -106,10 +129,8 @@ def run_filter(a) -> int:
     else:
         from transformers import AutoTokenizer
 
-        from areal_mcore.data.prompts import BOBA_SUFFIX
-
         tok = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
-        summary = length_filter(cfg, tok, a.out, max_prompt_tokens=a.max_prompt_tokens, suffix=BOBA_SUFFIX)
+        summary = length_filter(cfg, tok, a.out, max_prompt_tokens=a.max_prompt_tokens, suffix=cfg.instruction)
     print(json.dumps(summary))
     return 0
 
@@ -186,9 +207,11 @@ def _init_distributed() -> None:
 
 def run_train(a) -> int:
     from areal_mcore.config import load_config
+    from areal_mcore.paths import check_run_paths
 
     overrides = a.overrides + (["plan.check=false"] if a.no_plan_check else [])
     cfg = load_config(a.config, overrides)  # config errors surface before any process group
+    check_run_paths(cfg, a.command)  # and wrong paths, before any rank or server starts
     if refuse_unplanned(cfg, a.command):  # ... and a config that cannot fit, before any server
         return 2
     _init_distributed()
@@ -218,9 +241,8 @@ def _csv(kind):
 
 
 def add_eval_parsers(sub) -> None:
-    from areal_mcore.data.jsonl import FORMATS
-    from areal_mcore.data.prompts import BOBA_SUFFIX
-    from areal_mcore.eval.config import MODEL_KINDS, THINK_MODES
+    from areal_mcore.data.jsonl import FORMATS, THINK_MODES
+    from areal_mcore.eval.config import MODEL_KINDS
 
     p = sub.add_parser(
         "eval", help="pass@k over n samples per problem, with boba's eval settings",
@@ -237,8 +259,9 @@ def add_eval_parsers(sub) -> None:
     p.add_argument("--tokenizer", help="tokenizer folder (default: the config's tokenizer_path, else --model)")
     p.add_argument("--data", type=_csv(str), help="comma-separated JSONL files, one report row each "
                                                   "(default: the config's eval_dataset)")
-    p.add_argument("--data-format", choices=FORMATS, default="boba",
-                   help="row format of --data; mc = multiple choice {question, choices, answer}")
+    p.add_argument("--data-format", choices=FORMATS,
+                   help="row format of --data; mc = multiple choice {question, choices, answer} "
+                        "(default: the config's eval_dataset format, else boba)")
     p.add_argument("--model-kind", required=True, choices=MODEL_KINDS,
                    help="sets the sampling: rl 1.0/1.0, sft and base 0.6/0.95 (temperature/top_p)")
     p.add_argument("--n-samples", type=int, default=32, help="samples per problem (default 32)")
@@ -250,15 +273,35 @@ def add_eval_parsers(sub) -> None:
                                                       "rollout.max_new_tokens, else 27648)")
     p.add_argument("--shuffle-choices", action="store_true",
                    help="permute multiple-choice options per problem (seeded); GPQA's gold is always A")
-    p.add_argument("--prompt-suffix", default=BOBA_SUFFIX, help="appended to each question; '' for none "
-                                                                "(default: boba's)")
-    p.add_argument("--think", choices=THINK_MODES, default="auto",
-                   help="start responses with '<think>\\n': auto = where the chat template has thinking")
-    p.add_argument("--max-prompt-tokens", type=int, help="drop (and count) longer prompts (default: keep all)")
-    p.add_argument("--seed", type=int, help="sampling and shuffling seed (default: the config's, else 1)")
+    p.add_argument("--prompt-suffix", help="a different instruction after each question than training "
+                                           "used ('' for none); default: the dataset's instruction, "
+                                           "as in training (auto: boba's where the row has none)")
+    p.add_argument("--think", choices=THINK_MODES,
+                   help="start responses with '<think>\\n' (auto: where the chat template has thinking); "
+                        "default: the dataset's setting, as in training")
+    p.add_argument("--max-prompt-tokens", type=int, help="drop (and count) longer prompts (default: the "
+                                                         "config's trainer.max_prompt_tokens, else keep all)")
+    p.add_argument("--seed", type=int, help="sampling and shuffling seed (default: the run's eval seed "
+                                            "rollout.seed+1 with --config, else 1)")
     p.add_argument("--server-url", type=_csv(str), help="comma-separated host:port of running servers "
                                                         "(nothing is launched)")
     p.add_argument("--out", help="write the JSON report here")
+
+
+def _check_eval_paths(a, model: str, exp, datasets) -> None:
+    """Model, tokenizer, data and report paths, before any server starts."""
+    from areal_mcore.paths import check_dataset, check_hf_model, check_tokenizer, check_writable_dir
+
+    model_key = "--model" if a.model else "model_path"
+    if not a.server_url:  # running servers may hold a model this machine has no copy of
+        check_hf_model(model_key, model)
+    tokenizer = a.tokenizer or (exp.tokenizer_path if exp else None)
+    check_tokenizer(("--tokenizer" if a.tokenizer else "tokenizer_path") if tokenizer else model_key,
+                    tokenizer or model)
+    for d in datasets:
+        check_dataset("--data" if a.data else "eval_dataset.path", d.path)
+    if a.out:
+        check_writable_dir("--out", str(Path(a.out).parent))
 
 
 def run_eval(a) -> int:
@@ -280,8 +323,14 @@ def run_eval(a) -> int:
     model = a.model or (exp.model_path if exp else None)
     if not model:
         raise ValueError("no model to evaluate: give --model HF_FOLDER (or --config with model_path)")
+    # --data rows are read and prompted as the run's eval set is (format, instruction,
+    # thinking prefix), unless a flag says otherwise.
+    base = (exp.eval_dataset or exp.dataset) if exp else None
     if a.data:
-        datasets = [DatasetConfig(path=path, format=a.data_format) for path in a.data]
+        fmt = a.data_format or (base.format if base else "boba")
+        keep = base if base and base.format == fmt else None
+        datasets = [dataclasses.replace(keep, path=path) if keep else DatasetConfig(path=path, format=fmt)
+                    for path in a.data]
     elif exp and exp.eval_dataset:
         datasets = [exp.eval_dataset]
     else:
@@ -296,9 +345,13 @@ def run_eval(a) -> int:
                                             else DEFAULT_MAX_NEW_TOKENS),
         tokenizer_path=a.tokenizer or (exp.tokenizer_path if exp else None),
         temperature=a.temperature, top_p=a.top_p, ks=a.ks, shuffle_choices=a.shuffle_choices,
-        prompt_suffix=a.prompt_suffix, force_think=a.think, max_prompt_tokens=a.max_prompt_tokens,
-        seed=a.seed if a.seed is not None else (exp.seed if exp else 1),
+        prompt_suffix=a.prompt_suffix, force_think=a.think,
+        max_prompt_tokens=a.max_prompt_tokens or (exp.trainer.max_prompt_tokens if exp and exp.trainer else None),
+        # The run's periodic eval samples with rollout.seed + 1 (trainer/ppo.py): the same
+        # seeds draw the same samples from the same weights.
+        seed=a.seed if a.seed is not None else (exp.rollout.seed + 1 if exp and exp.rollout else 1),
         reward=exp.reward if exp else RewardPoolConfig(), out=a.out)
+    _check_eval_paths(a, model, exp, datasets)
     report = evaluate(cfg)
     print(format_table(report))
     if a.out:

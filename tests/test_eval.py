@@ -253,7 +253,9 @@ reward:
     assert rc == 0
     report = json.loads(out.read_text())
     assert (report["temperature"], report["top_p"], report["n_samples"]) == (0.6, 0.95, 4)
-    assert report["response_prefix"] == "" and "boxed" in report["prompt_suffix"]
+    # The training prompts: the tiny rows carry their own \boxed instruction, so none is added.
+    assert report["response_prefix"] == "" and report["prompt_suffix"] is None and report["prompt_changes"] == []
+    assert "prompts as in training (instruction 'auto': 2 x none" in printed
     assert report["servers"] == {"backend": "embedded", "extra_args": []}
     assert [(d["dataset"], d["problems"], d["samples"]) for d in report["datasets"]] == [("a", 2, 8), ("b", 3, 12)]
     for d in report["datasets"]:

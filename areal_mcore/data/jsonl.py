@@ -24,6 +24,7 @@ FORMATS = ("boba", "qa", "messages", "mc")
 FORMAT_KEYS = {"boba": ("prompt", "solutions"), "qa": ("question", "answer"),
                "messages": ("messages", "solutions"), "mc": ("question", "answer")}
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # multiple-choice option labels
+THINK_MODES = ("auto", "always", "never")
 
 
 class DatasetError(ValueError):
@@ -38,10 +39,21 @@ class DatasetConfig:
     solutions_key: str | None = None  # a single string for qa, a letter or index for mc
     choices_key: str = "choices"  # mc only
     skip_bad_rows: bool = False
+    # Appended to each question on its own line, in training and eval alike
+    # (data.prompts.prompts_for). "auto": boba's instruction (BOBA_SUFFIX) where the
+    # question does not already ask for a \boxed{} answer (AIME/MATH-style qa and mc rows),
+    # nothing where it does (boba's release rows, the synthetic task); "" for none.
+    # Chat-format (messages) rows are used as written.
+    instruction: str = "auto"
+    # Responses start with "<think>\n": auto = where the chat template has thinking (R1
+    # and Qwen3 style), always, or never.
+    think: str = "auto"
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"format={self.format!r} is not allowed; choose one of {list(FORMATS)}")
+        if self.think not in THINK_MODES:
+            raise ValueError(f"think={self.think!r} is not allowed; choose one of {list(THINK_MODES)}")
         prompt_key, solutions_key = FORMAT_KEYS[self.format]
         self.prompt_key = self.prompt_key or prompt_key
         self.solutions_key = self.solutions_key or solutions_key

@@ -18,15 +18,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_mcore.data.jsonl import DatasetConfig
-from areal_mcore.data.prompts import BOBA_SUFFIX
+from areal_mcore.data.jsonl import THINK_MODES, DatasetConfig
 from areal_mcore.reward.pool import RewardPoolConfig
 from areal_mcore.rollout.launcher import ServerConfig
 
 MODEL_KINDS = ("rl", "sft", "base")
 # (temperature, top_p): boba samples SFT and base models at 0.6/0.95, RL models at 1.0/1.0.
 SAMPLING_BY_KIND = {"rl": (1.0, 1.0), "sft": (0.6, 0.95), "base": (0.6, 0.95)}
-THINK_MODES = ("auto", "always", "never")
 EVAL_SGLANG_ARGS = ("--disable-cuda-graph", "--chunked-prefill-size", "-1")
 # boba's response budget: 27648 new tokens leave 5120 of SGLang's 32768 context to the prompt.
 DEFAULT_MAX_NEW_TOKENS = 27648
@@ -44,8 +42,11 @@ class EvalConfig:
     top_p: float | None = None  # None: by model_kind
     ks: list[int] | None = None  # pass@k reported; None: powers of two up to n_samples, and n_samples
     shuffle_choices: bool = False  # permute multiple-choice options (deterministic in seed)
-    prompt_suffix: str = BOBA_SUFFIX  # appended to each question; "" for none
-    force_think: str = "auto"  # responses start with "<think>\n": auto = where the template thinks
+    # Prompts are each dataset's training prompts (DatasetConfig.instruction and .think);
+    # these opt into a different instruction ("" for none) or thinking prefix, and the eval
+    # header and report say so.
+    prompt_suffix: str | None = None
+    force_think: str | None = None
     max_prompt_tokens: int | None = None  # longer prompts are dropped and counted; None: keep all
     max_concurrent_rollouts: int = 64  # problems in flight (each n_samples requests)
     seed: int = 1
@@ -55,7 +56,7 @@ class EvalConfig:
     def __post_init__(self):
         if self.model_kind not in MODEL_KINDS:
             raise ValueError(f"model_kind={self.model_kind!r} is not allowed; choose one of {list(MODEL_KINDS)}")
-        if self.force_think not in THINK_MODES:
+        if self.force_think is not None and self.force_think not in THINK_MODES:
             raise ValueError(f"force_think={self.force_think!r} is not allowed; choose one of {list(THINK_MODES)}")
         if not self.datasets:
             raise ValueError("no datasets to evaluate: give at least one JSONL file")

@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 
 from areal_mcore.data.jsonl import DatasetConfig, load_problems
-from areal_mcore.data.prompts import Prompt, build_prompts
+from areal_mcore.data.prompts import THINK, prompts_for, think_prefix  # noqa: F401 (re-exported)
 from areal_mcore.eval.choices import shuffle_choices
 from areal_mcore.eval.config import (
     EVAL_SGLANG_ARGS,
@@ -25,33 +25,26 @@ from areal_mcore.eval.config import (
 )
 from areal_mcore.eval.passk import default_ks, pass_at_ks
 
-THINK = "<think>\n"
+
+def prompt_config(d: DatasetConfig, cfg: EvalConfig) -> tuple[DatasetConfig, list[str]]:
+    """The dataset with the eval's opt-in prompt changes, and one line per change."""
+    changes, new = [], {}
+    if cfg.prompt_suffix is not None and cfg.prompt_suffix != d.instruction:
+        new["instruction"] = cfg.prompt_suffix
+        changes.append(f"instruction {cfg.prompt_suffix!r} instead of {d.instruction!r}")
+    if cfg.force_think is not None and cfg.force_think != d.think:
+        new["think"] = cfg.force_think
+        changes.append(f"think={cfg.force_think} instead of {d.think}")
+    return dataclasses.replace(d, **new), changes
 
 
-def think_prefix(tokenizer, mode: str) -> str | None:
-    """``"<think>\\n"`` when responses must start with it, else None.
-
-    auto: when the chat template mentions ``<think>`` (a reasoning model); always: for any
-    template. Never when the generation prompt already ends with ``<think>`` (newer R1
-    templates open the block themselves), which would open it twice.
-    """
-    if mode == "never":
-        return None
-    template = tokenizer.chat_template
-    template = " ".join(template.values()) if isinstance(template, dict) else str(template or "")
-    generation = tokenizer.apply_chat_template([{"role": "user", "content": "1+1?"}],
-                                               add_generation_prompt=True, tokenize=False)
-    if generation.rstrip().endswith("<think>"):
-        return None
-    return THINK if mode == "always" or "<think>" in template else None
-
-
-def _prompts(d: DatasetConfig, cfg: EvalConfig, tokenizer, prefix: str | None) -> tuple[list[Prompt], int]:
+def _prompts(d: DatasetConfig, cfg: EvalConfig, tokenizer):
+    d, changes = prompt_config(d, cfg)
     problems, _ = load_problems(d)
     if cfg.shuffle_choices:
         problems = shuffle_choices(problems, seed=cfg.seed)
-    prompts, dropped = build_prompts(problems, tokenizer, suffix=cfg.prompt_suffix or None, force_prefix=prefix,
-                                     max_prompt_tokens=cfg.max_prompt_tokens or 1 << 62)
+    ps = prompts_for(d, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens or 1 << 62, problems=problems)
+    prompts, dropped = ps.prompts, ps.dropped_long
     if not prompts:
         raise ValueError(f"{d.path}: no problem left to evaluate ({dropped} longer than "
                          f"max_prompt_tokens={cfg.max_prompt_tokens})")
@@ -60,7 +53,11 @@ def _prompts(d: DatasetConfig, cfg: EvalConfig, tokenizer, prefix: str | None) -
         raise ValueError(f"{d.path}: the longest prompt plus max_new_tokens={cfg.max_new_tokens} is {budget} "
                          f"tokens, over the servers' context_length={cfg.server.context_length}: lower "
                          f"max_new_tokens or raise server.context_length")
-    return prompts, dropped
+    given = ", ".join(f"{n} x {t!r}" if t else f"{n} x none" for t, n in ps.instructions.items())
+    print(f"[eval] {d.path}: prompts "
+          + (f"DIFFER from training: {'; '.join(changes)}" if changes else "as in training")
+          + f" (instruction {d.instruction!r}: {given}; response prefix {ps.response_prefix!r})", flush=True)
+    return prompts, dropped, ps.response_prefix, changes
 
 
 def evaluate(cfg: EvalConfig) -> dict:
@@ -74,9 +71,11 @@ def evaluate(cfg: EvalConfig) -> dict:
     from areal_mcore.reward.pool import RewardPool
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.server.model_path)
-    prefix = think_prefix(tokenizer, cfg.force_think)
     # Data errors surface before any server starts.
-    data = [(d, *_prompts(d, cfg, tokenizer, prefix)) for d in cfg.datasets]
+    built = [(d, _prompts(d, cfg, tokenizer)) for d in cfg.datasets]
+    data = [(d, prompts, dropped) for d, (prompts, dropped, _, _) in built]
+    prefixes = sorted({prefix for _, (_, _, prefix, _) in built})
+    changes = sorted({c for _, (*_, cs) in built for c in cs})
     servers = []
     try:
         servers, addresses, server_info = _servers(cfg)
@@ -93,7 +92,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     report = {"model": cfg.server.model_path, "model_kind": cfg.model_kind, "n_samples": cfg.n_samples,
               "temperature": temperature, "top_p": top_p, "max_new_tokens": cfg.max_new_tokens,
               "seed": cfg.seed, "shuffle_choices": cfg.shuffle_choices, "prompt_suffix": cfg.prompt_suffix,
-              "response_prefix": prefix or "", "servers": server_info, "datasets": rows}
+              "response_prefix": prefixes[0] if len(prefixes) == 1 else prefixes,
+              "prompt_changes": changes, "servers": server_info, "datasets": rows}
     if cfg.out:
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.out).write_text(json.dumps(report, indent=2) + "\n")

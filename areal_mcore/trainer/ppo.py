@@ -167,8 +167,7 @@ class PPORun:
 
     # ---- setup -------------------------------------------------------------------------
     def _start_rollout(self) -> list[str]:
-        from areal_mcore.data.jsonl import load_problems
-        from areal_mcore.data.prompts import build_prompts
+        from areal_mcore.data.prompts import prompts_for
         from areal_mcore.data.sampler import EpochSampler
         from areal_mcore.reward.pool import RewardPool
         from areal_mcore.rollout.client import ClientConfig, RolloutClient
@@ -176,9 +175,8 @@ class PPORun:
         from areal_mcore.rollout.launcher import launch_servers
 
         cfg = self.cfg
-        problems, _ = load_problems(cfg.dataset)
-        self.prompts, dropped = build_prompts(problems, self.tokenizer,
-                                              max_prompt_tokens=cfg.trainer.max_prompt_tokens)
+        train_set = prompts_for(cfg.dataset, self.tokenizer, max_prompt_tokens=cfg.trainer.max_prompt_tokens)
+        self.prompts, dropped = train_set.prompts, train_set.dropped_long
         print(f"[ppo] {len(self.prompts)} prompts ({dropped} longer than "
               f"{cfg.trainer.max_prompt_tokens} tokens dropped)", flush=True)
         self.sampler = EpochSampler(len(self.prompts), cfg.trainer.batch_size, cfg.seed)
@@ -198,11 +196,9 @@ class PPORun:
         self.controller.on_group = self.packer
         self.eval_prompts = []
         if cfg.eval_dataset is not None and cfg.trainer.eval_freq:
-            self.eval_prompts, _ = build_prompts(load_problems(cfg.eval_dataset)[0], self.tokenizer,
-                                                 max_prompt_tokens=cfg.trainer.max_prompt_tokens)
-            # Its own counters and seeds: evaluating never changes what training samples.
-            self.evaluator = RolloutController(dataclasses.replace(cfg.rollout, seed=cfg.rollout.seed + 1),
-                                               self.client, self.pool.ascore, self.decode)
+            # The prompts `areal-mcore eval --config` builds for the same file (one function).
+            self.eval_prompts = prompts_for(cfg.eval_dataset, self.tokenizer,
+                                            max_prompt_tokens=cfg.trainer.max_prompt_tokens).prompts
         return addresses
 
     # ---- the step's parts --------------------------------------------------------------
@@ -239,8 +235,15 @@ class PPORun:
         freq, last = self.cfg.trainer.eval_freq, step == self.cfg.trainer.total_steps
         if self.rank != 0 or not self.eval_prompts or not (step % freq == 0 or last):
             return
+        from areal_mcore.rollout.controller import RolloutController
+
         t = time.perf_counter()
-        out = self._run(self.evaluator.rollout_batch(self.eval_prompts))
+        # A fresh controller each time, with its own seed: evaluating never changes what
+        # training samples, every eval draws the same seeds (its curve moves with the
+        # weights only), and `areal-mcore eval` with the run's config draws them too.
+        evaluator = RolloutController(dataclasses.replace(self.cfg.rollout, seed=self.cfg.rollout.seed + 1),
+                                      self.client, self.pool.ascore, self.decode)
+        out = self._run(evaluator.rollout_batch(self.eval_prompts))
         row = {"step": step, "eval/accuracy": out.stats["rollout/accuracy"],
                "eval/n_samples": out.stats["rollout/n_samples"], "eval/time_s": time.perf_counter() - t}
         self.logger.eval(row)

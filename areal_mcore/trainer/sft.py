@@ -94,7 +94,9 @@ def run_sft(cfg) -> list[float]:
     actor.load_hf_state_dict(load_hf_state_dict(s.base_model))
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or s.base_model)
     problems, _ = load_problems(cfg.dataset)
-    losses = train_sft(actor, sft_pairs(problems, tokenizer, response_template=s.response_template),
+    pairs = sft_pairs(problems, tokenizer, response_template=s.response_template,
+                      suffix=cfg.dataset.instruction)  # the prompts RL and eval will use
+    losses = train_sft(actor, pairs,
                        steps=s.steps, batch_size=s.batch_size, seed=cfg.seed)
     save_hf(actor, s.output_dir, tokenizer_dir=cfg.tokenizer_path or s.base_model)
     return losses
