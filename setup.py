@@ -28,6 +28,9 @@ INSTALL_REQUIRES = [
     # transformers 5 cache API (DynamicCache layers).
     "aiohttp>=3.9",
     "transformers>=5.0",
+    # dataset.path as Parquet/JSON files, folders, save_to_disk folders and hub ids
+    # (data/sources.py); JSONL needs nothing beyond the standard library.
+    "datasets>=3",
 ]
 
 EXTRAS_REQUIRE = {
@@ -37,7 +40,9 @@ EXTRAS_REQUIRE = {
     # triton: the kernels' tests run it on CPU through its interpreter (3.9 is tested;
     # GPU installs get it with CUDA torch anyway).
     # msgspec + pydantic: the contract tests run SGLang's own request structs (tests/_sglang.py).
-    "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff", "triton", "msgspec", "pydantic"],
+    "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff", "triton", "msgspec", "pydantic", "wandb"],
+    # trainer.wandb (trainer/wandb_log.py); imported only when trainer.wandb.mode is not disabled.
+    "wandb": ["wandb"],
 }
 
 setup(

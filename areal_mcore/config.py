@@ -33,6 +33,7 @@ from areal_mcore.plan.config import PlanConfig
 from areal_mcore.reward.pool import RewardPoolConfig
 from areal_mcore.rollout.controller import RolloutConfig
 from areal_mcore.rollout.launcher import ServerConfig
+from areal_mcore.trainer.wandb_log import WandbConfig
 from areal_mcore.weight_sync.syncer import WeightSyncConfig
 
 
@@ -289,6 +290,8 @@ class TrainerConfig:
     progress: bool = True  # tqdm bar over the steps
     dump_to_file: bool = False  # every rollout as JSONL under <run>/rollouts/
     trace: bool = False  # Chrome trace of the step phases: <run>/trace.json (chrome://tracing)
+    # Weights & Biases beside TensorBoard (trainer/wandb_log.py); mode=disabled by default.
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self):
         _check_choice("mode", self.mode, TRAINER_MODES)

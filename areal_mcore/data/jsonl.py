@@ -11,6 +11,12 @@ Formats (``DatasetConfig.format``):
 The key names are configurable (defaults per format in ``FORMAT_KEYS``). A bad row
 (invalid JSON, not UTF-8, missing or empty field) raises ``DatasetError`` naming the file
 and line, or with ``skip_bad_rows`` is skipped and counted in the returned report.
+
+``path`` may also be a JSON or Parquet file, a folder of JSONL/JSON/Parquet files, a
+``datasets.save_to_disk`` folder or a hub dataset id (``split`` picks the split); those
+rows come through ``datasets`` (``data.sources``) and are checked by the same code, their
+errors naming ``file row N`` (1-based). JSONL files are read here line by line, so errors
+can name bytes that are no valid UTF-8 and the filters can copy rows byte for byte.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class DatasetConfig:
     solutions_key: str | None = None  # a single string for qa, a letter or index for mc
     choices_key: str = "choices"  # mc only
     skip_bad_rows: bool = False
+    split: str = "train"  # for hub ids and saved dataset dicts
     # Appended to each question on its own line, in training and eval alike
     # (data.prompts.prompts_for). "auto": boba's instruction (BOBA_SUFFIX) where the
     # question does not already ask for a \boxed{} answer (AIME/MATH-style qa and mc rows),
@@ -75,23 +82,26 @@ class LoadReport:
 
 def load_problems(cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]:
     """Every good row of ``cfg.path``; raises on the first bad one unless skipping."""
-    path = Path(cfg.path)
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset not found: {path}")
+    from areal_mcore.data.sources import dataset_rows
+
     problems, report = [], LoadReport()
+    for where, raw in dataset_rows(cfg.path, cfg.split, jsonl_lines):
+        report.rows += 1
+        try:
+            problems.append(_parse(raw, cfg, where) if isinstance(raw, bytes) else _parse_row(raw, cfg, where))
+        except DatasetError as e:
+            if not cfg.skip_bad_rows:
+                raise
+            report.bad_rows.append(str(e))
+    return problems, report
+
+
+def jsonl_lines(path: Path):
+    """(``file:line``, raw bytes) of every non-blank line."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            report.rows += 1
-            where = f"{path}:{lineno}"
-            try:
-                problems.append(_parse(raw, cfg, where))
-            except DatasetError as e:
-                if not cfg.skip_bad_rows:
-                    raise
-                report.bad_rows.append(str(e))
-    return problems, report
+            if raw.strip():
+                yield f"{path}:{lineno}", raw
 
 
 def _parse(raw: bytes, cfg: DatasetConfig, where: str) -> Problem:
@@ -103,6 +113,10 @@ def _parse(raw: bytes, cfg: DatasetConfig, where: str) -> Problem:
         row = json.loads(text)
     except json.JSONDecodeError as e:
         raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    return _parse_row(row, cfg, where)
+
+
+def _parse_row(row, cfg: DatasetConfig, where: str) -> Problem:
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     prompt = _field(row, cfg.prompt_key, where)

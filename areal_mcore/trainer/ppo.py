@@ -143,7 +143,10 @@ class PPORun:
             self.controller.load_state_dict(resumed.extra["controller"])
             print(f"[ppo] resumed from {resumed.path} at step {self.start_step}", flush=True)
         t = cfg.trainer
-        self.logger = S.RunLogger(t, self.run_dir, enabled=self.rank == 0, start_step=self.start_step)
+        self.logger = S.RunLogger(t, self.run_dir, enabled=self.rank == 0, start_step=self.start_step,
+                                  experiment=dataclasses.asdict(cfg),
+                                  wandb_run_id=resumed.extra.get("wandb_run_id") if resumed and self.rank == 0
+                                  else None)
         self.phases = S.Phases(self.run_dir / "trace.json" if t.trace and self.rank == 0 else None)
         # Servers may hold anything (another run's weights, a base model): serve the actor's.
         self.sync(version=self.start_step)
@@ -274,6 +277,8 @@ class PPORun:
             if self.rank == 0:
                 extra = {"sampler": self._on_loop(self.sampler.state_dict),
                          "controller": self._on_loop(self.controller.state_dict)}
+                if self.logger.wandb is not None:  # a resumed run continues the same W&B run
+                    extra["wandb_run_id"] = self.logger.wandb.run_id
             self.checkpointer.save(self.actor, step=step, weight_version=step, extra=extra)
         if last or (t.export_freq and step % t.export_freq == 0):
             from areal_mcore.convert.save_hf import save_hf

@@ -118,11 +118,19 @@ def _scalar(value) -> float | None:
 class RunLogger:
     """Rank 0's writer of every per-step artefact; the other ranks get a no-op one."""
 
-    def __init__(self, cfg: TrainerConfig, run_dir: Path, *, enabled: bool, start_step: int = 0):
+    def __init__(self, cfg: TrainerConfig, run_dir: Path, *, enabled: bool, start_step: int = 0,
+                 experiment: dict | None = None, wandb_run_id: str | None = None):
+        """``experiment``: the resolved config (W&B's run config); ``wandb_run_id``: the W&B
+        run a resumed run continues (from its checkpoint)."""
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
-        self.writer, self.bar = None, None
+        self.writer, self.bar, self.wandb = None, None, None
         if not enabled:
             return
+        if cfg.wandb.enabled:
+            from areal_mcore.trainer.wandb_log import WandbLogger
+
+            self.wandb = WandbLogger(cfg.wandb, run_dir, experiment_name=run_dir.name, config=experiment or {},
+                                     run_id=wandb_run_id, start_step=start_step)
         if start_step:  # a resumed run redoes what a killed one logged after its checkpoint
             _keep_rows(run_dir / "stats.jsonl", lambda step: step <= start_step)
             _keep_rows(run_dir / "eval.jsonl", lambda step: step < start_step)
@@ -159,12 +167,13 @@ class RunLogger:
             self._scalars(row)
 
     def _scalars(self, row: dict) -> None:
+        scalars = {k: x for k, x in ((k, _scalar(v)) for k, v in row.items()) if k != "step" and x is not None}
+        if self.wandb is not None:
+            self.wandb.log(row["step"], scalars)
         if self.writer is None:
             return
-        for key, value in row.items():
-            x = _scalar(value)
-            if key != "step" and x is not None:
-                self.writer.add_scalar(key, x, global_step=row["step"])
+        for key, x in scalars.items():
+            self.writer.add_scalar(key, x, global_step=row["step"])
         self.writer.flush()
 
     def print(self, line: str) -> None:
@@ -195,7 +204,12 @@ class RunLogger:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
-        return plot_curves(self.run_dir)
+        plot = plot_curves(self.run_dir)
+        if self.wandb is not None:
+            if plot is not None:
+                self.wandb.image("curves", plot)
+            self.wandb.finish()
+        return plot
 
 
 def _keep_rows(path: Path, keep) -> None:
