@@ -85,15 +85,34 @@ def add_filter_parsers(sub) -> None:
     kinds = filt.add_subparsers(dest="kind", required=True)
     diff = kinds.add_parser(
         "difficulty", help="drop problems the base model solves in all k of k samples",
-        description="Score k precomputed samples per problem with the boba reward and drop the "
-                    "problems solved every time (boba: k = 8). Sampling from a rollout endpoint "
-                    "arrives with the rollout issue.")
+        description="Sample k responses per problem from --model (servers launched as eval launches "
+                    "them) or from running servers (--server-url), or take precomputed ones "
+                    "(--samples); score them with the boba reward and drop the problems solved every "
+                    "time (boba: k = 8 from the base model). Sampling is resumable: finished problems "
+                    "are kept in OUT.samples.jsonl and a rerun samples only the others.",
+        epilog="example: areal-mcore filter difficulty --model runs/tiny-cpu/sft_model --data "
+               "runs/tiny-cpu/assets/train.jsonl --k 8 --max-new-tokens 24 --out train.filtered.jsonl")
     diff.add_argument("--data", required=True, help="boba-format JSONL")
-    diff.add_argument("--samples", required=True,
-                      help='JSONL, one row per problem in order: {"completions": [k strings]}')
+    source = diff.add_mutually_exclusive_group(required=True)
+    source.add_argument("--samples", help='JSONL, one row per problem in order: {"completions": [k strings]}')
+    source.add_argument("--model", help="HF folder to sample from (servers are launched here)")
+    source.add_argument("--server-url", type=_csv(str), help="comma-separated host:port of running servers")
     diff.add_argument("--k", type=int, default=8)
     diff.add_argument("--out", required=True)
     diff.add_argument("--workers", type=int, default=2, help="reward worker processes")
+    diff.add_argument("--tokenizer", help="tokenizer folder (default: --model)")
+    diff.add_argument("--model-kind", choices=["rl", "sft", "base"], default="base",
+                      help="sets the sampling as eval does (default base: temperature 0.6, top_p 0.95)")
+    diff.add_argument("--temperature", type=float, help="override the model kind's temperature")
+    diff.add_argument("--top-p", type=float, help="override the model kind's top_p")
+    diff.add_argument("--max-new-tokens", type=int, default=27648, help="response budget (default: boba's 27648)")
+    diff.add_argument("--context-length", type=int, default=32768, help="of the servers launched here")
+    diff.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                      help="weights of the servers launched here")
+    diff.add_argument("--seed", type=int, default=1)
+    diff.add_argument("--chunk", type=int, default=64,
+                      help="problems in flight between two appends to OUT.samples.jsonl")
+    diff.add_argument("--no-progress", action="store_true", help="no progress bar")
     length = kinds.add_parser("length", help="drop problems whose prompt is too long",
                               description="Drop problems whose chat-templated prompt exceeds --max-prompt-tokens.")
     length.add_argument("--data", required=True)
@@ -107,15 +126,11 @@ def add_filter_parsers(sub) -> None:
 def run_filter(a) -> int:
     from areal_mcore.data.filters import difficulty_filter, length_filter
     from areal_mcore.data.jsonl import DatasetConfig
-    from areal_mcore.paths import (
-        check_dataset,
-        check_readable_file,
-        check_tokenizer,
-        check_writable_dir,
-    )
+    from areal_mcore.paths import check_readable_file, check_tokenizer
 
-    check_dataset("--data", a.data)
-    check_writable_dir("--out", str(Path(a.out).parent))
+    if a.kind == "difficulty" and a.samples is None:
+        return _filter_by_sampling(a)
+    _check_filter_data(a)
     if a.kind == "difficulty":
         check_readable_file("--samples", a.samples, "a JSONL file of completions")
     else:
@@ -132,6 +147,42 @@ def run_filter(a) -> int:
         tok = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
         summary = length_filter(cfg, tok, a.out, max_prompt_tokens=a.max_prompt_tokens, suffix=cfg.instruction)
     print(json.dumps(summary))
+    return 0
+
+
+def _check_filter_data(a) -> None:
+    from areal_mcore.paths import check_dataset, check_writable_dir
+
+    check_dataset("--data", a.data)
+    if Path(a.data).suffix.lower() != ".jsonl" or not Path(a.data).is_file():
+        # Kept rows are copied byte for byte, which only a JSONL file's lines allow.
+        raise ValueError(f"--data={a.data}: the filters read and write one JSONL file; write the dataset "
+                         "as JSONL first (datasets: Dataset.to_json(path, lines=True))")
+    check_writable_dir("--out", str(Path(a.out).parent))
+
+
+def _filter_by_sampling(a) -> int:
+    from areal_mcore.data.jsonl import DatasetConfig
+    from areal_mcore.eval.difficulty import DifficultyConfig, filter_by_sampling
+    from areal_mcore.paths import check_hf_model, check_tokenizer
+    from areal_mcore.reward.pool import RewardPoolConfig
+    from areal_mcore.rollout.launcher import ServerConfig
+
+    _check_filter_data(a)
+    model = a.model or a.tokenizer
+    if a.model:
+        check_hf_model("--model", a.model)
+    elif not a.tokenizer:
+        raise ValueError("--server-url needs --tokenizer FOLDER (the model's tokenizer, to build prompts)")
+    check_tokenizer("--tokenizer" if a.tokenizer else "--model", a.tokenizer or a.model)
+    server = ServerConfig(model_path=model, dtype=a.dtype, context_length=a.context_length,
+                          addresses=[u.removeprefix("http://") for u in a.server_url or []])
+    cfg = DifficultyConfig(dataset=DatasetConfig(path=a.data, skip_bad_rows=a.skip_bad_rows), out=a.out,
+                           server=server, k=a.k, model_kind=a.model_kind, temperature=a.temperature,
+                           top_p=a.top_p, max_new_tokens=a.max_new_tokens, tokenizer_path=a.tokenizer,
+                           seed=a.seed, chunk=a.chunk, reward=RewardPoolConfig(num_workers=a.workers),
+                           progress=not a.no_progress)
+    print(json.dumps(filter_by_sampling(cfg)))
     return 0
 
 

@@ -1,14 +1,21 @@
-"""`areal-mcore eval` on a run's exported model, with the run's config, data and sampling,
-reproduces the run's own last held-out accuracy (issue 21: the eval once appended boba's
-instruction to prompts that already had one and scored 0.07 where the run said 0.51)."""
+"""On a tiny SFT model (built once here): `areal-mcore eval` on a run's exported model,
+with the run's config, data and sampling, reproduces the run's own last held-out accuracy
+(issue 21: the eval once appended boba's instruction to prompts that already had one and
+scored 0.07 where the run said 0.51); and `areal-mcore filter difficulty --model` samples
+k per problem, drops exactly the problems solved k of k, and resumes after a kill."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
@@ -23,8 +30,10 @@ def _cli(*args: str, timeout: int = 600) -> str:
     return proc.stdout
 
 
-@pytest.mark.slow
-def test_eval_of_the_exported_model_matches_the_runs_final_eval_accuracy(tmp_path):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(assets, the run's config file, its SFT model): make run's recipe, CI-sized."""
+    tmp_path = tmp_path_factory.mktemp("tiny")
     assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=512, n_test=24))
     config = tmp_path / "run.yaml"  # configs/tiny_cpu.yaml's shape, CI-sized
     config.write_text(f"""experiment_name: agree
@@ -47,6 +56,13 @@ trainer: {{total_steps: 1, batch_size: 4, eval_freq: 1, log_dir: {tmp_path / 'ru
 sft: {{base_model: {assets['model']}, output_dir: {tmp_path / 'sft_model'}, steps: 80, batch_size: 32}}
 """)
     _cli("sft", "--config", str(config), "actor.optimizer.lr=3e-3")
+    return assets, config, tmp_path / "sft_model"
+
+
+@pytest.mark.slow
+def test_eval_of_the_exported_model_matches_the_runs_final_eval_accuracy(tiny):
+    assets, config, _ = tiny
+    tmp_path = config.parent
     _cli("train", "--config", str(config))
     run_dir = tmp_path / "runs" / "agree"
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
@@ -73,3 +89,53 @@ sft: {{base_model: {assets['model']}, output_dir: {tmp_path / 'sft_model'}, step
     changed = json.loads(report.read_text())
     assert changed["prompt_changes"] and changed["datasets"][0]["pass@1"] != row["pass@1"]
     print(f"with boba's instruction added: pass@1 {changed['datasets'][0]['pass@1']:.3f}")
+
+
+def _score(completions: list[str], solutions: list[list[str]]) -> list[float]:
+    from areal_mcore.reward.pool import RewardPool, RewardPoolConfig
+
+    with RewardPool(RewardPoolConfig(num_workers=1)) as pool:
+        return pool.score(completions, solutions)
+
+
+@pytest.mark.slow
+def test_difficulty_filter_samples_k_drops_the_k_of_k_solved_and_resumes_after_a_kill(tiny, tmp_path):
+    assets, _, model = tiny
+    lines = Path(assets["train"]).read_text().splitlines()[:40]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(line + "\n" for line in lines))
+    out = tmp_path / "kept.jsonl"
+    samples = Path(str(out) + ".samples.jsonl")
+    # Near-greedy sampling, so that both solved-8/8 and other problems exist in 40.
+    args = [sys.executable, "-W", "ignore", "-m", "areal_mcore.cli", "filter", "difficulty", "--model", str(model),
+            "--data", str(data), "--k", "8", "--max-new-tokens", "16", "--context-length", "256", "--dtype",
+            "float32", "--temperature", "0.1", "--chunk", "4", "--workers", "1", "--out", str(out)]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (samples.exists() and len(samples.read_text().splitlines()) >= 8):
+        assert time.time() < deadline and proc.poll() is None, proc.stderr.read()[-3000:] if proc.poll() else ""
+        time.sleep(0.05)
+    for pid in [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    before = samples.read_text()
+    finished = [json.loads(x) for x in before.splitlines() if x.endswith("}")]
+    assert 8 <= len(finished) < 40 and not out.exists()
+
+    summary = json.loads(_cli(*args[5:]).strip().splitlines()[-1])
+    rows = [json.loads(x) for x in samples.read_text().splitlines()]
+    # Nothing finished was sampled again: the first attempt's rows are kept as they were.
+    assert rows[:len(finished)] == finished and samples.read_text().startswith(before[:before.rfind("\n") + 1])
+    assert sorted(r["line"] for r in rows) == list(range(1, 41))  # each problem once
+    assert (summary["resumed"], summary["sampled"]) == (len(finished), 40 - len(finished))
+    # The same samples scored directly: the filter drops exactly the 8-of-8 problems.
+    gold = {i: json.loads(line)["solutions"] for i, line in enumerate(lines, 1)}
+    direct = _score([c for r in rows for c in r["completions"]], [gold[r["line"]] for r in rows for _ in range(8)])
+    assert all(len(r["completions"]) == 8 for r in rows)
+    assert [r for row in rows for r in row["rewards"]] == direct
+    solved = {r["line"] for i, r in enumerate(rows) if sum(direct[i * 8:(i + 1) * 8]) == 8}
+    assert 0 < len(solved) < 40, solved
+    assert out.read_text().splitlines() == [line for i, line in enumerate(lines, 1) if i not in solved]
+    assert summary == {"problems": 40, "kept": 40 - len(solved), "dropped_solved": len(solved), "bad_rows": 0,
+                       "sampled": 40 - len(finished), "resumed": len(finished)}
