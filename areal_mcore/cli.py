@@ -262,9 +262,9 @@ def run_train(a) -> int:
 
     overrides = a.overrides + (["plan.check=false"] if a.no_plan_check else [])
     cfg = load_config(a.config, overrides)  # config errors surface before any process group
-    check_run_paths(cfg, a.command)  # and wrong paths, before any rank or server starts
     if refuse_unplanned(cfg, a.command):  # ... and a config that cannot fit, before any server
         return 2
+    check_run_paths(cfg, a.command)  # and wrong paths, before any rank or server starts
     _init_distributed()
     if a.command == "sft":
         from areal_mcore.trainer.sft import run_sft

@@ -3,7 +3,6 @@ exit 2 with one line naming the key, the value and what was expected."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -18,7 +17,11 @@ def good(tmp_path):
     """Paths that pass every check: a model folder, a dataset, a log folder."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    from transformers import Qwen2Config
+
+    # A real (tiny) config: the pre-start plan check (issue 17) reads it before the paths.
+    Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=64).to_json_file(model / "config.json")
     (model / "model.safetensors").write_bytes(b"{}")
     (model / "tokenizer.json").write_text("{}")
     data = write_jsonl(generate(4, seed=0), tmp_path / "train.jsonl")
