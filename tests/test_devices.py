@@ -65,7 +65,7 @@ def test_bind_local_device_without_cuda_is_cpu_and_touches_nothing(monkeypatch):
     assert devices.bind_local_device({"LOCAL_RANK": "1"}) == torch.device("cpu")
 
 
-def _torchrun_rank(rank: int, world: int, port: int, queue) -> None:
+def _torchrun_rank(rank: int, world: int, port: int, queue, overrides: list[str]) -> None:
     """One rank of ``areal-mcore sft`` as torchrun starts it, on a node with 2 fake GPUs.
 
     init_process_group is wrapped to use gloo (the requested backend is recorded) and the
@@ -96,17 +96,25 @@ def _torchrun_rank(rank: int, world: int, port: int, queue) -> None:
             events.append(f"actor built on cuda:{torch.cuda.current_device()}")
             return [1.0, 0.5]
         sft.run_sft = fake_sft
-        code = cli.main(["sft", "--config", os.path.join(ROOT, "configs", "tiny_cpu.yaml")])
+        code = cli.main(["sft", "--config", os.path.join(ROOT, "configs", "tiny_cpu.yaml"), *overrides])
         dist.destroy_process_group()
         queue.put((rank, code, events, None))
     except BaseException:
         queue.put((rank, None, None, traceback.format_exc()))
 
 
-def test_torchrun_ranks_bind_their_own_gpu_before_the_process_group_and_actor():
+def test_torchrun_ranks_bind_their_own_gpu_before_the_process_group_and_actor(tmp_path):
+    from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+
+    # The config's paths are checked before any rank starts: give it real (tiny) ones.
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=16, n_test=4,
+                                                hidden_size=32, intermediate_size=64, num_layers=1))
+    overrides = [f"sft.base_model={assets['model']}", f"model_path={assets['model']}",
+                 f"sft.output_dir={tmp_path / 'sft'}", f"dataset.path={assets['train']}",
+                 f"eval_dataset.path={assets['test']}", f"trainer.log_dir={tmp_path / 'runs'}"]
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_torchrun_rank, args=(r, 2, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_torchrun_rank, args=(r, 2, port, queue, overrides)) for r in range(2)]
     for p in procs:
         p.start()
     results = sorted(queue.get(timeout=120) for _ in procs)
