@@ -232,6 +232,11 @@ def _bucket_tensors() -> list[torch.Tensor]:
 
 
 def _trainer(port: int, name: str, queue) -> None:
+    import os
+
+    # What torchrun sets for its workers (the trainer always runs under it): torch's
+    # rendezvous would then join the agent's store instead of hosting the group's.
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     from areal_mcore.rollout.weights import ReusableBuffer
     from areal_mcore.weight_sync.group import destroy_update_group, init_update_group
     from areal_mcore.weight_sync.syncer import pack_bucket

@@ -5,8 +5,9 @@ a ``tcp://`` rendezvous, then ``PrefixStore(group_name)``, then torch's private
 ``_new_process_group_helper``, which adds two more key prefixes of its own
 (``"{group_name}/"`` and ``"{device}/"``). Any other recipe (say ``ProcessGroupGloo`` on a
 plain ``PrefixStore``) waits on different store keys and hangs. So the trainer (rank 0,
-the store's host) forms the group through the very same torch calls; a contract test runs
-SGLang's own function on the other side.
+the store's host) forms the group through the same torch calls, hosting the store itself
+(see below for why not through ``rendezvous``); a contract test runs SGLang's own function
+on the other side, with the trainer under torchrun's environment.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ def init_update_group(*, master_address: str, master_port: int, world_size: int,
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight_sync.backend must be gloo or nccl, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world = next(c10d.rendezvous(f"tcp://{_host(master_address)}:{master_port}", 0,
-                                              world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The store SGLang's tcp:// rendezvous would create for rank 0, made directly: under
+    # torchrun (TORCHELASTIC_USE_AGENT_STORE=True) torch's rendezvous makes every rank a
+    # *client* of the agent's store, so nobody would host this group's store and both
+    # sides would wait to connect for ever. Same key space: no prefix, multi-tenant.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=True,
+                          timeout=timeout, multi_tenant=True)
+    rank, world = 0, world_size
     # torch >= 2.6 names the options argument backend_options (SGLang picks it the same way).
     pg, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend),
                                            dist.PrefixStore(group_name, store),
@@ -45,10 +50,6 @@ def destroy_update_group(pg: dist.ProcessGroup | None) -> None:
     """Frees the group and its name (a re-init under the same name then works)."""
     if pg is not None:
         dist.destroy_process_group(pg)
-
-
-def _host(address: str) -> str:
-    return f"[{address}]" if ":" in address else address
 
 
 def routable_address(servers: list[str]) -> str:
