@@ -81,21 +81,29 @@ def _stand_in(behaviour: str, log: list):
     return app
 
 
-def test_timeouts_and_5xx_fail_over_and_the_slow_server_is_told_to_abort():
+async def _serve(apps) -> tuple[list, list[str]]:
+    """Each aiohttp app on its own loopback port: (runners to clean up, addresses)."""
     from aiohttp import web
 
     from areal_mcore.rollout.launcher import free_port
 
+    runners, addresses = [], []
+    for app in apps:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        addresses.append(f"127.0.0.1:{port}")
+    return runners, addresses
+
+
+def test_timeouts_and_5xx_fail_over_and_the_slow_server_is_told_to_abort():
+
+
     async def run():
         log: list = []
-        runners, addresses = [], []
-        for behaviour in ("slow", "broken", "fine"):
-            runner = web.AppRunner(_stand_in(behaviour, log))
-            await runner.setup()
-            port = free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
-            addresses.append(f"127.0.0.1:{port}")
+        runners, addresses = await _serve([_stand_in(b, log) for b in ("slow", "broken", "fine")])
         try:
             cfg = ClientConfig(addresses=addresses, request_timeout_s=0.5, retry_delay_s=0.01)
             async with RolloutClient(cfg) as client:
@@ -121,7 +129,6 @@ def test_servers_sglang_cannot_update_over_distributed_are_refused_by_name():
     from aiohttp import web
 
     from areal_mcore.rollout.client import RolloutError
-    from areal_mcore.rollout.launcher import free_port
 
     def app(dp, pp):
         async def info(request):
@@ -131,14 +138,7 @@ def test_servers_sglang_cannot_update_over_distributed_are_refused_by_name():
         return a
 
     async def run():
-        runners, addresses = [], []
-        for dp, pp in ((1, 1), (2, 1), (1, 2)):
-            runner = web.AppRunner(app(dp, pp))
-            await runner.setup()
-            port = free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
-            addresses.append(f"127.0.0.1:{port}")
+        runners, addresses = await _serve([app(dp, pp) for dp, pp in ((1, 1), (2, 1), (1, 2))])
         try:
             async with RolloutClient(ClientConfig(addresses=addresses)) as client:
                 with pytest.raises(RolloutError) as e:
