@@ -334,6 +334,8 @@ def add_eval_parsers(sub) -> None:
                                                          "config's trainer.max_prompt_tokens, else keep all)")
     p.add_argument("--seed", type=int, help="sampling and shuffling seed (default: the run's eval seed "
                                             "rollout.seed+1 with --config, else 1)")
+    p.add_argument("--backend", choices=("sglang", "vllm", "embedded"),
+                   help="the servers' engine (default: the config's server.backend, else embedded)")
     p.add_argument("--server-url", type=_csv(str), help="comma-separated host:port of running servers "
                                                         "(nothing is launched)")
     p.add_argument("--out", help="write the JSON report here")
@@ -387,7 +389,7 @@ def run_eval(a) -> int:
     else:
         raise ValueError("no dataset to evaluate: give --data a.jsonl[,b.jsonl] (or --config with eval_dataset)")
     server = exp.server if exp and exp.server else ServerConfig(model_path=model)
-    server = dataclasses.replace(server, model_path=model,
+    server = dataclasses.replace(server, model_path=model, backend=a.backend or server.backend,
                                  addresses=[u.removeprefix("http://") for u in a.server_url or []]
                                  or server.addresses)
     cfg = EvalConfig(

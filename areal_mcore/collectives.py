@@ -84,6 +84,16 @@ def broadcast_many(tensors: list[torch.Tensor], src: int, group: dist.ProcessGro
             t.copy_(m)
 
 
+def broadcast_pynccl(tensors: list[torch.Tensor], src: int, communicator) -> None:
+    """Broadcasts over one of vLLM's ``PyNcclCommunicator``s (the trainer's side of its
+    NCCL weight-transfer group), one tensor at a time on the current stream, as vLLM's
+    ``NCCLTrainerWeightTransferEngine._broadcast`` does for unpacked transfers."""
+    stream = torch.cuda.current_stream()
+    for t in tensors:
+        communicator.broadcast(t if t.is_contiguous() else t.contiguous(), src=src, stream=stream)
+    stream.synchronize()
+
+
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape everywhere), in group-rank order, on
     ``tensor``'s device."""

@@ -31,10 +31,10 @@ def ppo_loss(logp, mb, tokens):
 
 
 def tiny_actor(tp=1, pp=1, cap=4096, tie=False, recompute=False, sp="auto", layers=4,
-               first_stage_layers=None):
+               first_stage_layers=None, shape=None):
     from areal_mcore.actor import MegatronActor
 
-    hf_config, state, _ = tiny_qwen2(tie=tie, vocab=VOCAB, layers=layers)
+    hf_config, state, _ = tiny_qwen2(tie=tie, vocab=VOCAB, layers=layers, **(shape or {}))
     cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=cap),
                       optimizer=OptimizerConfig(lr=1e-3, eps=1e-5, weight_decay=0.01),  # boba eps
                       parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp,

@@ -26,6 +26,10 @@ MODEL_KINDS = ("rl", "sft", "base")
 # (temperature, top_p): boba samples SFT and base models at 0.6/0.95, RL models at 1.0/1.0.
 SAMPLING_BY_KIND = {"rl": (1.0, 1.0), "sft": (0.6, 0.95), "base": (0.6, 0.95)}
 EVAL_SGLANG_ARGS = ("--disable-cuda-graph", "--chunked-prefill-size", "-1")
+# The same settings for vLLM (flags of vllm 0.32's engine/arg_utils.py), plus full
+# attention as boba evaluates (check_full_attention refuses a sliding-window config too).
+EVAL_VLLM_ARGS = ("--enforce-eager", "--no-enable-chunked-prefill", "--disable-custom-all-reduce",
+                  "--disable-sliding-window")
 # boba's response budget: 27648 new tokens leave 5120 of SGLang's 32768 context to the prompt.
 DEFAULT_MAX_NEW_TOKENS = 27648
 
@@ -85,6 +89,8 @@ def eval_server_config(server: ServerConfig) -> ServerConfig:
     if server.backend == "sglang":
         # Before the user's extra_args, so that theirs win where argparse takes the last value.
         return dataclasses.replace(server, extra_args=[*EVAL_SGLANG_ARGS, *server.extra_args])
+    if server.backend == "vllm":
+        return dataclasses.replace(server, extra_args=[*EVAL_VLLM_ARGS, *server.extra_args])
     # The embedded server already matches them (and its argparse rejects SGLang's flags):
     # eager PyTorch, each prompt prefilled whole, attention as the HF config says.
     return server

@@ -140,7 +140,8 @@ async def _sample_chunks(cfg: DifficultyConfig, addresses, reward_fn, decode, to
     temperature, top_p = cfg.sampling()
     out: dict[int, list[float]] = {}
     cfg.samples_path.parent.mkdir(parents=True, exist_ok=True)
-    async with RolloutClient(ClientConfig(addresses=addresses, api_key=cfg.server.api_key)) as client:
+    async with RolloutClient(ClientConfig(addresses=addresses, api_key=cfg.server.api_key,
+                                          backend=cfg.server.backend)) as client:
         for start in range(0, len(todo), cfg.chunk):
             chunk = todo[start:start + cfg.chunk]
             # Seeded by the chunk's first line: the same run draws the same samples.

@@ -19,6 +19,7 @@ from areal_mcore.data.prompts import THINK, prompts_for, think_prefix  # noqa: F
 from areal_mcore.eval.choices import shuffle_choices
 from areal_mcore.eval.config import (
     EVAL_SGLANG_ARGS,
+    EVAL_VLLM_ARGS,
     EvalConfig,
     check_full_attention,
     eval_server_config,
@@ -113,6 +114,7 @@ def _servers(cfg: EvalConfig) -> tuple[list, list[str], dict]:
     if cfg.out and server.log_dir == "logs/rollout":  # the default: keep the logs with the report
         server = dataclasses.replace(server, log_dir=str(Path(cfg.out).with_suffix("")) + "_servers")
     settings = (" ".join(EVAL_SGLANG_ARGS) if server.backend == "sglang" else
+                " ".join(EVAL_VLLM_ARGS) if server.backend == "vllm" else
                 "none needed (the embedded server is eager PyTorch with whole-prompt prefill and full attention)")
     print(f"[eval] starting {server.n_servers} {server.backend} server(s); eval settings: {settings}", flush=True)
     servers = launch_servers(server)
@@ -128,7 +130,8 @@ async def _sample(cfg: EvalConfig, addresses: list[str], reward_fn, decode, data
                             top_p=top_p, seed=cfg.seed, max_concurrent_rollouts=cfg.max_concurrent_rollouts)
     ks = cfg.ks or default_ks(cfg.n_samples)
     rows = []
-    async with RolloutClient(ClientConfig(addresses=addresses, api_key=cfg.server.api_key)) as client:
+    async with RolloutClient(ClientConfig(addresses=addresses, api_key=cfg.server.api_key,
+                                          backend=cfg.server.backend)) as client:
         for d, prompts, dropped in data:
             t0 = time.perf_counter()
             batch = await RolloutController(rollout, client, reward_fn, decode).rollout_batch(prompts)

@@ -132,7 +132,8 @@ class PPORun:
         addresses = collectives.broadcast_object(addresses, 0, dist.group.WORLD)
         g = self.actor.groups
         self.dispatcher = Dispatcher(dp_rank=g.dp_rank, dp_size=g.dp_size, mp_group=g.mp, world=dist.group.WORLD)
-        self.syncer = WeightSyncer(cfg.weight_sync, self.actor, addresses, api_key=cfg.server.api_key)
+        self.syncer = WeightSyncer(cfg.weight_sync, self.actor, addresses, api_key=cfg.server.api_key,
+                                   backend=cfg.server.backend)
         self._run(self.syncer.connect())
         self.checkpointer = Checkpointer(CheckpointConfig(root=str(self.run_dir / "checkpoints")),
                                          group=dist.group.WORLD)
@@ -191,7 +192,8 @@ class PPORun:
             self.servers = launch_servers(server_cfg)
             addresses = [s.address for s in self.servers]
         self.pool = RewardPool(cfg.reward)
-        self.client = RolloutClient(ClientConfig(addresses=addresses, api_key=cfg.server.api_key))
+        self.client = RolloutClient(ClientConfig(addresses=addresses, api_key=cfg.server.api_key,
+                                                 backend=cfg.server.backend))
         self._run(self.client.start())
         self.decode = partial(self.tokenizer.decode, skip_special_tokens=True)
         self.controller = RolloutController(cfg.rollout, self.client, self.pool.ascore, self.decode)

@@ -43,8 +43,9 @@ from areal_mcore.rollout.client import ClientConfig, RolloutClient, RolloutError
 from areal_mcore.rollout.launcher import free_port
 from areal_mcore.rollout.protocol import PAUSE_MODES
 from areal_mcore.rollout.weights import ReusableBuffer
-from areal_mcore.weight_sync.group import destroy_update_group, init_update_group, routable_address
+from areal_mcore.weight_sync.group import routable_address
 from areal_mcore.weight_sync.plan import DTYPES, SyncPlan, make_plan, plan_key
+from areal_mcore.weight_sync.transport import open_group
 
 MODES = ("distributed", "disk")
 
@@ -185,7 +186,8 @@ class WeightSyncer:
         join = asyncio.ensure_future(self.client.engine.init_group(self.client, spec))
         try:
             self._group = await asyncio.to_thread(
-                init_update_group, master_address=address, master_port=port,
+                open_group, self.client.engine.trainer_transport(backend),
+                master_address=address, master_port=port,
                 world_size=self.client.weight_group_world_size(), group_name=name,
                 backend=backend, timeout_s=cfg.timeout_s)
             self.group_name, self._spec = name, spec
@@ -200,7 +202,7 @@ class WeightSyncer:
             await self.client.destroy_weights_update_group(self.group_name)
         except RolloutError:
             pass
-        destroy_update_group(self._group)
+        self._group.close()
         self._group, self.group_name, self._spec = None, None, None
 
     async def close(self) -> None:
@@ -281,7 +283,7 @@ class WeightSyncer:
             names, shapes = plan.bucket_meta(i)
             http = self._timed(stats, "http_s", self.client.update_bucket(
                 names=names, dtypes=[plan.dtype] * len(names), shapes=shapes,
-                group=self._spec, flatten=self.cfg.flatten,
+                group=self._spec, flatten=self._flatten(),
                 weight_version=str(version) if last_stage and i == n - 1 else None))
             wire = self._timed(stats, "wire_s", asyncio.to_thread(self._broadcast, payload))
             http_r, wire_r, *rest = await asyncio.gather(http, wire, *([nxt] if nxt else []),
@@ -296,6 +298,10 @@ class WeightSyncer:
                 if isinstance(rest[0], BaseException):
                     raise rest[0]
                 payload = rest[0]
+
+    def _flatten(self) -> bool:
+        return self.cfg.flatten and (self._spec is None or
+                                     self.client.engine.flattened_buckets(self._spec.backend))
 
     @staticmethod
     async def _timed(stats: SyncStats, key: str, aw):
@@ -328,13 +334,12 @@ class WeightSyncer:
         order, shapes = plan.bucket_meta(i)
         # Two buffers: bucket i + 1 is filled while bucket i is on the wire.
         payload = pack_bucket(self._buffers[i % 2], [hf[n] for n in order], shapes,
-                              DTYPES[plan.dtype], flatten=self.cfg.flatten)
+                              DTYPES[plan.dtype], flatten=self._flatten())
         stats.convert_s += time.perf_counter() - t1
         return payload
 
     def _broadcast(self, payload: list[torch.Tensor]) -> None:
-        # src 0 is the trainer: the group maps its ranks to themselves (weight_sync/group.py)
-        collectives.broadcast_many(payload, 0, self._group)
+        self._group.broadcast(payload)
 
     async def _push_disk(self, version: int, stats: SyncStats) -> None:
         from areal_mcore.convert.save_hf import save_hf

@@ -105,6 +105,14 @@ class Engine:
         """Trainer rank 0 plus every server's receiving ranks."""
         return 1 + sum(s.tp_size for s in fleet.servers)
 
+    def trainer_transport(self, backend: str) -> str:
+        """What the trainer's end of the group is (``weight_sync/transport.py``)."""
+        return "torch"
+
+    def flattened_buckets(self, backend: str) -> bool:
+        """Whether a bucket may travel as one flat ``uint8`` broadcast."""
+        return True
+
     async def init_group(self, fleet: RolloutClient, spec: GroupSpec) -> None:
         """Blocks until every server joined; the trainer joins as rank 0 concurrently."""
         raise NotImplementedError

@@ -188,6 +188,14 @@ class VLLMEngine(Engine):
                 f"updates: {[s.address for s in bad]}; launch one server per replica "
                 "(rollout.server.n_servers)", [s.address for s in bad])
 
+    def trainer_transport(self, backend: str) -> str:
+        return "torch" if backend == "gloo" else "vllm_nccl"
+
+    def flattened_buckets(self, backend: str) -> bool:
+        # vLLM's packed NCCL format chunks by its own buffer size
+        # (packed_tensor.py); we send its unpacked format: one broadcast per tensor.
+        return backend == "gloo"
+
     async def init_group(self, fleet: RolloutClient, spec: GroupSpec) -> None:
         calls = []
         for s, offset in zip(fleet.servers, spec.rank_offsets, strict=True):

