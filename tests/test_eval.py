@@ -180,7 +180,7 @@ def test_correct_samples_are_counted_per_problem(monkeypatch):
         async def __aexit__(self, *exc):
             pass
 
-        async def generate(self, input_ids, sampling, *, rid):
+        async def generate(self, input_ids, sampling, *, rid, group=None):
             j = self.calls[tuple(input_ids)] = self.calls.get(tuple(input_ids), -1) + 1
             return client_mod.Completion(rid=rid, input_ids=input_ids, output_ids=[j], logprobs=[0.0],
                                          versions=["0"], finish_reason={"type": "stop"})

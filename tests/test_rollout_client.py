@@ -160,3 +160,34 @@ def test_the_master_address_is_the_one_on_the_route_to_the_servers():
     # Loopback servers are reached from loopback (never gethostbyname's 127.0.1.1).
     assert routable_address(["127.0.0.1:30000"]) == "127.0.0.1"
     assert routable_address(["localhost:30000"]) == "127.0.0.1"
+
+
+
+def test_a_groups_samples_go_to_one_server_and_leave_it_only_when_it_fails():
+    """Prefix caching pays only if a group's samples meet on the server holding its prompt."""
+    async def run():
+        logs = [[], [], []]
+        apps = [_stand_in(b, log) for b, log in zip(("fine", "fine", "broken"), logs)]
+        runners, addresses = await _serve(apps)
+        try:
+            async with RolloutClient(ClientConfig(addresses=addresses[:2])) as client:
+                sampling = SamplingParams(max_new_tokens=1)
+                await asyncio.gather(*[client.generate([g, 2], sampling, rid=f"{g}.{j}", group=str(g))
+                                       for g in range(4) for j in range(8)])
+            # A group pinned to a server that fails moves to a healthy one.
+            async with RolloutClient(ClientConfig(addresses=addresses[1:], retry_delay_s=0.01)) as client:
+                client._affinity["9"] = addresses[2]
+                outs = await asyncio.gather(*[client.generate([9], SamplingParams(max_new_tokens=1),
+                                                              rid=f"9.{j}", group="9") for j in range(4)])
+        finally:
+            for r in runners:
+                await r.cleanup()
+        return logs, outs
+
+    logs, outs = asyncio.run(run())
+    served = [{rid.split(".")[0] for _, what, rid in log if what == "generate" and rid[0] != "9"}
+              for log in logs[:2]]
+    assert served[0] and served[1] and not served[0] & served[1]  # both used, no group split
+    assert sorted(served[0] | served[1]) == ["0", "1", "2", "3"]
+    assert all(len(o.output_ids) == 1 for o in outs)
+    assert {rid.split(".")[0] for _, what, rid in logs[1] if what == "generate"} >= {"9"}

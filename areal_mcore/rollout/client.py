@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import logging
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -101,6 +102,8 @@ class RolloutClient:
         self._wire: dict[str, tuple[_Server, str]] = {}  # rid -> (server, wire rid) in flight
         self._background: set[asyncio.Task] = set()
         self._session: aiohttp.ClientSession | None = None
+        # group key -> the server its first sample went to (most recent groups only)
+        self._affinity: OrderedDict[str, str] = OrderedDict()
 
     async def __aenter__(self) -> RolloutClient:
         await self.start()
@@ -128,8 +131,13 @@ class RolloutClient:
 
     # ---- generation --------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *,
-                       rid: str | None = None) -> Completion:
-        """One completion of ``input_ids``; see the module docstring for the guarantees."""
+                       rid: str | None = None, group: str | None = None) -> Completion:
+        """One completion of ``input_ids``; see the module docstring for the guarantees.
+
+        Calls with the same ``group`` go to the server the group's first call went to
+        while it is healthy and untried for this call: a group's samples share the
+        prompt, and only a server that holds it can reuse its KV (prefix caching).
+        """
         c = Completion(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids))
         failed: set[str] = set()
         for wire in itertools.count():
@@ -141,7 +149,7 @@ class RolloutClient:
             params = dataclasses.replace(
                 sampling, max_new_tokens=remaining,
                 min_new_tokens=max(0, sampling.min_new_tokens - len(c.output_ids)))
-            server = await self._choose(failed)
+            server = await self._choose(failed, group)
             path, body = self.engine.generate_request(server, c.input_ids + c.output_ids,
                                                       params, f"{c.rid}.{wire}")
             server.in_flight += 1
@@ -175,13 +183,26 @@ class RolloutClient:
             return c
         raise AssertionError("unreachable")
 
-    async def _choose(self, failed: set[str]) -> _Server:
-        """The healthy server with the fewest requests in flight, preferring untried ones."""
+    async def _choose(self, failed: set[str], group: str | None = None) -> _Server:
+        """The group's server if it has one that is healthy and untried, else the healthy
+        server with the fewest requests in flight, preferring untried ones."""
+        if group is not None:
+            address = self._affinity.get(group)
+            pinned = [s for s in self.servers if s.address == address and s.healthy
+                      and s.address not in failed]
+            if pinned:
+                self._affinity.move_to_end(group)
+                return pinned[0]
         for _ in range(2):
             ok = [s for s in self.servers if s.healthy]
             fresh = [s for s in ok if s.address not in failed]
             if fresh or ok:
-                return min(fresh or ok, key=lambda s: s.in_flight)
+                chosen = min(fresh or ok, key=lambda s: s.in_flight)
+                if group is not None:
+                    self._affinity[group] = chosen.address
+                    while len(self._affinity) > 65536:
+                        self._affinity.popitem(last=False)
+                return chosen
             await self.check_health()
         raise RolloutError(f"no healthy rollout server among {self.cfg.addresses}")
 

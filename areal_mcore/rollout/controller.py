@@ -120,7 +120,7 @@ class RolloutController:
         comps: list[Completion] = await asyncio.gather(*[
             self.client.generate(prompt.input_ids, dataclasses.replace(
                 base, sampling_seed=(self.cfg.seed * 1_000_003 + gid) * 1009 + j),
-                rid=f"g{gid}s{j}-{self._nonce}")
+                rid=f"g{gid}s{j}-{self._nonce}", group=f"g{gid}-{self._nonce}")
             for j in range(self.cfg.n_samples)])
         texts = [self.decode(c.output_ids) for c in comps]
         async with self._reward_lock:
