@@ -50,6 +50,10 @@ class ClientConfig:
     retry_delay_s: float = 0.2
     api_key: str | None = None
     max_connections: int = 1024
+    # Idle connections are dropped after this: uvicorn (vLLM's and SGLang's server) closes
+    # idle keep-alive connections after 5 s, and a request sent on one it is closing fails
+    # with "Connection reset by peer" (seen on /init_weight_transfer_engine after a pause).
+    keepalive_s: float = 2.0
     backend: str = "sglang"  # the servers' engine (rollout.server.backend)
 
     def __post_init__(self):
@@ -115,7 +119,8 @@ class RolloutClient:
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
         self._session = aiohttp.ClientSession(
-            headers=headers, connector=aiohttp.TCPConnector(limit=self.cfg.max_connections))
+            headers=headers, connector=aiohttp.TCPConnector(limit=self.cfg.max_connections,
+                                           keepalive_timeout=self.cfg.keepalive_s))
         await asyncio.gather(*[self._detect(s) for s in self.servers])
 
     async def close(self) -> None:

@@ -1,0 +1,56 @@
+"""The vLLM engine's request/response translation, without a server (fast)."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_mcore.config import load_config
+from areal_mcore.rollout.engines.vllm import VLLMEngine, span_versions, vllm_pause_mode
+from areal_mcore.rollout.launcher import ServerConfig, server_command
+from areal_mcore.rollout.protocol import SamplingParams
+
+
+def test_generate_request_never_sends_a_per_request_seed():
+    # vLLM-CPU dies under concurrent seeded requests (EngineDeadError for every later one).
+    path, body = VLLMEngine().generate_request(None, [1, 2], SamplingParams(
+        sampling_seed=123, top_k=-1, stop_token_ids=[7]), "r.0")
+    assert path == "/inference/v1/generate" and body["request_id"] == "r.0"
+    assert "seed" not in body["sampling_params"] and body["sampling_params"]["top_k"] == 0
+    assert body["sampling_params"]["stop_token_ids"] == [7]
+
+
+@pytest.mark.parametrize("choice, want", [
+    ({"finish_reason": "length"}, {"type": "length", "length": 2}),
+    ({"finish_reason": "stop", "stop_reason": None}, {"type": "stop", "matched": 6}),
+    ({"finish_reason": "stop", "stop_reason": 9}, {"type": "stop", "matched": 9}),
+    ({"finish_reason": "abort"}, {"type": "abort", "message": "vLLM finish_reason 'abort'"}),
+])
+def test_finish_reasons_map_to_ours(choice, want):
+    out = {"choices": [{"token_ids": [5, 6], "logprobs": {"content": [
+        {"token_id": 5, "logprob": -1.0}, {"token_id": 6, "logprob": -2.0}]}, **choice}]}
+    chunk = VLLMEngine().parse_generate(None, out, 4)
+    assert chunk.finish_reason == want and chunk.logprobs == [-1.0, -2.0]
+
+
+def test_weight_version_spans_tag_each_token():
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert span_versions(spans, 5) == ["3", "3", "4", "4", "4"]
+
+
+def test_pause_modes_map_and_retract_is_refused_at_config_load():
+    assert vllm_pause_mode("abort") == "abort" and vllm_pause_mode("in_place") == "keep"
+    with pytest.raises(ValueError, match="no vLLM equivalent"):
+        load_config("configs/tiny_cpu.yaml", ["server.backend=vllm", "weight_sync.pause_mode=retract"])
+
+
+def test_launch_command_turns_on_what_the_rl_path_needs():
+    cfg = ServerConfig(model_path="/m", backend="vllm", python="/py", weight_transfer_backend="areal_gloo",
+                       kv_cache_memory_mb=64)
+    cmd = server_command(cfg, port=5, seed=3)
+    assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
+    for flag in ("--enable-scale-out", "--skip-tokenizer-init"):
+        assert flag in cmd
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "areal_gloo"}'
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--seed") + 1] == "3"
+    assert VLLMEngine().env(cfg, {})["VLLM_SERVER_DEV_MODE"] == "1"
