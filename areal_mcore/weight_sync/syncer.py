@@ -339,7 +339,7 @@ class WeightSyncer:
         return payload
 
     def _broadcast(self, payload: list[torch.Tensor]) -> None:
-        self._group.broadcast(payload)
+        self._group.send_bucket(payload)
 
     async def _push_disk(self, version: int, stats: SyncStats) -> None:
         from areal_mcore.convert.save_hf import save_hf

@@ -16,7 +16,7 @@ class TorchGroup:
                                     world_size=world_size, group_name=group_name,
                                     backend=backend, timeout_s=timeout_s)
 
-    def broadcast(self, tensors) -> None:
+    def send_bucket(self, tensors) -> None:
         # src 0 is the trainer: the group maps its ranks to themselves (group.py)
         collectives.broadcast_many(tensors, 0, self.pg)
 
@@ -40,7 +40,7 @@ class VLLMNcclGroup:
         self.comm = trainer_init({"master_address": master_address, "master_port": master_port,
                                   "world_size": world_size})
 
-    def broadcast(self, tensors) -> None:
+    def send_bucket(self, tensors) -> None:
         collectives.broadcast_pynccl(tensors, 0, self.comm)
 
     def close(self) -> None:
