@@ -224,15 +224,22 @@ class RolloutClient:
 
     async def request(self, s: _Server, method: str, path: str, body: dict | None = None, *,
                       timeout: float, parse: bool = True):
-        """One call to one server (for engines); HTTP errors raise ``RolloutError``."""
-        return await self._request(s, method, path, body, timeout=timeout, parse=parse)
+        """One call to one server (for engines); HTTP errors raise ``RolloutError``.
+
+        Control calls go out on a connection of their own (``Connection: close``): uvicorn
+        closes a keep-alive connection after an error response (vLLM answers 500 to a
+        best-effort ``/finish_weight_update``), and the next call reusing it was reset
+        ("Connection reset by peer" on ``/init_weight_transfer_engine``)."""
+        return await self._request(s, method, path, body, timeout=timeout, parse=parse,
+                                   close=True)
 
     async def _request(self, s: _Server, method: str, path: str, body: dict | None = None, *,
                        timeout: float, retryable: bool = False, parse: bool = True,
-                       wire_rid: str | None = None):
+                       wire_rid: str | None = None, close: bool = False):
         url = f"http://{s.address}{path}"
+        headers = {"Connection": "close"} if close else None
         try:
-            async with self._session.request(method, url, json=body,
+            async with self._session.request(method, url, json=body, headers=headers,
                                              timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 text = await r.text()
                 if r.status >= 400 and self.engine.dead_engine(r.status, text):
@@ -269,8 +276,8 @@ class RolloutClient:
                   servers: list[_Server] | None = None, timeout: float = 600.0) -> list:
         """The same call on every server, concurrently; every failure is reported."""
         servers = self.servers if servers is None else servers
-        return await self.each(servers, [self._request(s, method, path, body, timeout=timeout)
-                                         for s in servers])
+        return await self.each(servers, [self._request(s, method, path, body, timeout=timeout,
+                                                       close=True) for s in servers])
 
     _all = all
 
