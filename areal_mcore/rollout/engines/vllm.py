@@ -197,6 +197,14 @@ class VLLMEngine(Engine):
         return backend == "gloo"
 
     async def init_group(self, fleet: RolloutClient, spec: GroupSpec) -> None:
+        from areal_mcore.rollout.client import RolloutError
+
+        if spec.backend != "gloo" and spec.stage > 0:
+            # NCCLWeightTransferEngine.init_transfer_engine replaces its one group, so a
+            # second stage's group would take the first one's place.
+            raise RolloutError("vLLM's NCCL weight-transfer engine holds one group: a trainer "
+                               "with pipeline stages > 1 cannot send to it; use pp=1 or "
+                               "weight_sync.backend=gloo", [s.address for s in fleet.servers])
         calls = []
         for s, offset in zip(fleet.servers, spec.rank_offsets, strict=True):
             if spec.backend == "gloo":
