@@ -54,3 +54,30 @@ def test_launch_command_turns_on_what_the_rl_path_needs():
     assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "areal_gloo"}'
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--seed") + 1] == "3"
     assert VLLMEngine().env(cfg, {})["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_every_flag_we_pass_vllm_is_accepted_by_vllms_own_parser(tmp_path):
+    """The launch flags and boba's eval flags, parsed by vLLM 0.32's CLI parser (in the
+    vLLM venv; the same check `vllm serve` runs before it starts)."""
+    import json
+    import subprocess
+
+    from _vllm import require_vllm
+
+    from areal_mcore.eval.config import EVAL_VLLM_ARGS, eval_server_config
+
+    cfg = eval_server_config(ServerConfig(model_path=str(tmp_path), backend="vllm",
+                                          kv_cache_memory_mb=64, enforce_eager=True))
+    assert list(cfg.extra_args[:len(EVAL_VLLM_ARGS)]) == list(EVAL_VLLM_ARGS)
+    argv = server_command(cfg, port=5, seed=3)[3:]
+    code = ("import json, sys\n"
+            "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+            "a = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))\n"
+            "print(json.dumps([a.logprobs_mode, a.enable_chunked_prefill, a.enforce_eager,\n"
+            "                  a.disable_custom_all_reduce, a.disable_sliding_window]))\n")
+    out = subprocess.run([require_vllm(), "-c", code, json.dumps(argv)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["processed_logprobs", False, True,
+                                                               True, True]
