@@ -246,7 +246,7 @@ def _init_distributed() -> None:
     import torch.distributed as dist
 
     from areal_mcore.devices import bind_local_device
-    from areal_mcore.rollout.launcher import free_port
+    from areal_mcore.net import free_port
 
     bind_local_device()
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -85,7 +85,7 @@ async def _serve(apps) -> tuple[list, list[str]]:
     """Each aiohttp app on its own loopback port: (runners to clean up, addresses)."""
     from aiohttp import web
 
-    from areal_mcore.rollout.launcher import free_port
+    from areal_mcore.net import free_port
 
     runners, addresses = [], []
     for app in apps:

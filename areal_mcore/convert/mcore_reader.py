@@ -53,7 +53,7 @@ class _RegionPlanner(DefaultLoadPlanner):
 
 
 class McoreCheckpointReader:
-    """One checkpoint folder (``step_XXXXXXXX``) of ``trainer.checkpoint``."""
+    """One checkpoint folder (``step_XXXXXXXX``) of ``actor.checkpoint``."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

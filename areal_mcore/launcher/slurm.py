@@ -145,7 +145,7 @@ class Launcher:
         return addresses
 
     def _start_trainer(self, nodes: list[str], addresses: list[str]) -> None:
-        from areal_mcore.rollout.launcher import free_port
+        from areal_mcore.net import free_port
 
         t, gpn = self.alloc.trainer, self.cfg.launch.gpus_per_node
         per_node = min(t.gpus, gpn)
@@ -285,7 +285,8 @@ def _healthy(address: str) -> bool:
 def serve(config: str, overrides: list[str], index: int, host: str, rendezvous: Path) -> None:
     """One rollout server (an srun task): picks a port on this node, publishes it, execs."""
     from areal_mcore.config import load_config
-    from areal_mcore.rollout.launcher import free_port, server_command
+    from areal_mcore.net import free_port
+    from areal_mcore.rollout.launcher import server_command
 
     cfg = load_config(config, overrides)
     port = free_port(host)

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+
+from areal_mcore.checks import check_choice, check_positive, field_error
+from areal_mcore.net import free_port
 
 BACKENDS = ("sglang", "embedded")
 
@@ -41,15 +43,13 @@ class ServerConfig:
     addresses: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"rollout.server.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.n_servers < 1 or self.tp_size < 1:
-            raise ValueError("rollout.server.n_servers and tp_size must be >= 1")
+        check_choice("backend", self.backend, BACKENDS)
+        check_positive("n_servers", self.n_servers)
+        check_positive("tp_size", self.tp_size)
         if not 0 < self.mem_fraction_static <= 1:
-            raise ValueError(f"rollout.server.mem_fraction_static must be in (0, 1], "
-                             f"got {self.mem_fraction_static}")
+            raise field_error("mem_fraction_static", self.mem_fraction_static, "must be in (0, 1]")
         if self.backend == "embedded" and self.tp_size != 1:
-            raise ValueError("the embedded server runs one process per server: tp_size must be 1")
+            raise field_error("tp_size", self.tp_size, "must be 1 with backend=embedded (one process per server)")
 
 
 def server_command(cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
@@ -70,12 +70,6 @@ def server_command(cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
     if cfg.api_key:
         cmd += ["--api-key", cfg.api_key]
     return cmd + list(cfg.extra_args)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

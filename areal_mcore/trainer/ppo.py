@@ -23,11 +23,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from areal_mcore import collectives
+from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
 from areal_mcore.algo import loglinear_proximal_logprobs, ppo_actor_loss, reduce_ppo_stats
-from areal_mcore.config import ExperimentConfig, PPOConfig
+from areal_mcore.algo.config import PPOConfig
+from areal_mcore.config import ExperimentConfig
 from areal_mcore.trainer import stats as S
 from areal_mcore.trainer.batch import to_train_batch
-from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
 from areal_mcore.trainer.dispatch import Dispatcher, SamplePacker
 
 
@@ -116,7 +117,7 @@ class PPORun:
     def _setup(self) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from areal_mcore.actor import MegatronActor
+        from areal_mcore.actor.megatron_actor import MegatronActor
         from areal_mcore.convert.hf_files import load_hf_state_dict
         from areal_mcore.weight_sync.syncer import WeightSyncer
 

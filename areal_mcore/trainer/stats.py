@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from areal_mcore.config import TrainerConfig
+from areal_mcore.trainer.config import TrainerConfig
 
 
 class Phases:

@@ -35,7 +35,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from areal_mcore import collectives
-from areal_mcore.actor import MegatronActor
+from areal_mcore.actor.megatron_actor import MegatronActor
 from areal_mcore.model import mcore_compat
 from areal_mcore.model.args import ModelArgs, args_mismatch
 
