@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from areal_mcore.model import adapter
 from areal_mcore.model.args import ModelArgs
+from areal_mcore.run_dir import latest_checkpoint
 
 # megatron saves the layer norms of the local spec under the TE spec's fused names
 # (TransformerLayer's sharded_state_dict_keys_map), so checkpoints of both specs agree.
@@ -70,10 +71,7 @@ class McoreCheckpointReader:
     @classmethod
     def resolve(cls, path: str | Path) -> McoreCheckpointReader:
         """Accepts a checkpoint folder or a checkpoint root with a ``latest`` pointer."""
-        path = Path(path)
-        if (path / "latest").exists():
-            path = path / (path / "latest").read_text().strip()
-        return cls(path)
+        return cls(latest_checkpoint(path) or path)
 
     @staticmethod
     def _key(name: str) -> str:

@@ -20,6 +20,7 @@ from areal_mcore.convert.mcore_reader import McoreCheckpointReader
 from areal_mcore.model import adapter
 from areal_mcore.model.args import ModelArgs, args_mismatch
 from areal_mcore.net import free_port
+from areal_mcore.run_dir import latest_checkpoint
 
 
 def _hf_config_from_dict(d: dict):
@@ -161,8 +162,7 @@ def hf_to_mcore(input: str | Path, output: str | Path, *, tp: int = 1, pp: int =
     port = free_port()
     mp.start_processes(_hf_to_mcore_rank, args=(tp * pp, port, str(input), str(output), tp, pp, dtype),
                        nprocs=tp * pp, start_method="spawn")
-    root = Path(output)
-    return root / (root / "latest").read_text().strip()
+    return latest_checkpoint(output)
 
 
 def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, dtype):
