@@ -36,7 +36,7 @@ class ServerConfig:
     api_key: str | None = None
     max_running_requests: int = 64
     skip_tokenizer_init: bool = True
-    log_dir: str = "logs/rollout"
+    log_dir: str | None = None  # None: the launching tool's default (the trainer's: <run>/servers)
     startup_timeout_s: float = 600.0
     extra_args: list[str] = field(default_factory=list)
     # Servers already running (host:port); when set, nothing is launched.
@@ -141,15 +141,18 @@ class ServerProcess:
             pass
 
 
-def launch_servers(cfg: ServerConfig, *, env: dict | None = None) -> list[ServerProcess]:
-    """Starts ``cfg.n_servers`` servers and waits until each answers ``/health``."""
+def launch_servers(cfg: ServerConfig, *, default_log_dir: str | None = None,
+                   env: dict | None = None) -> list[ServerProcess]:
+    """Starts ``cfg.n_servers`` servers and waits until each answers ``/health``; they log
+    under ``cfg.log_dir``, else ``default_log_dir`` (the caller's output), else logs/rollout."""
+    log_dir = cfg.log_dir or default_log_dir or "logs/rollout"
     servers: list[ServerProcess] = []
     try:
         for i in range(cfg.n_servers):
             port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
             servers.append(ServerProcess(
                 server_command(cfg, port=port, seed=cfg.seed + i), host=cfg.host, port=port,
-                log_path=os.path.join(cfg.log_dir, f"server{i}.log"), env=env))
+                log_path=os.path.join(log_dir, f"server{i}.log"), env=env))
         for s in servers:
             s.wait_healthy(cfg.startup_timeout_s)
     except BaseException:
