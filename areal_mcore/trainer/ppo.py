@@ -219,7 +219,8 @@ class PPORun:
         export every ``trainer.export_freq``; both after the last step."""
         t, last = self.cfg.trainer, step == self.cfg.trainer.total_steps
         if force or (t.save_freq and (step % t.save_freq == 0 or last)):
-            self.checkpointer.save(self.actor, step=step, weight_version=step, extra=self.state_dict())
+            self.checkpointer.save(self.actor, step=step, weight_version=step, extra=self.state_dict(),
+                                   config_snapshot=dataclasses.asdict(self.cfg))  # the resolved config
         if last or (t.export_freq and step % t.export_freq == 0):
             self.hf_dir = self.run_dir / "hf" / f"step_{step}"
             save_hf(self.actor, self.hf_dir, tokenizer_dir=self.cfg.tokenizer_path or self.cfg.model_path)
