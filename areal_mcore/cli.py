@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"convert": run_convert, "filter": run_filter, "train": run_train,
                 "sft": run_train, "eval": run_eval, "launch": run_launch, "plan": run_plan}[a.command](a)
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # user errors; anything else is a bug: traceback
         print(f"areal-mcore {a.command}: error: {e}", file=sys.stderr)
         return 2
 

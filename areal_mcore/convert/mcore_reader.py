@@ -96,7 +96,8 @@ class McoreCheckpointReader:
         for name in names:
             key = self._key(name)
             if key not in self.stored:
-                raise KeyError(f"{self.path}: checkpoint lacks {key!r} (needed for {name})")
+                raise adapter.WeightMismatchError(f"{self.path}: checkpoint lacks {key!r} (needed for {name}); is it "
+                                                  f"from another architecture?")
             meta = self.stored[key]
             per_layer = name.startswith("decoder.layers.")
             shape = (1, *meta.size[1:]) if per_layer else tuple(meta.size)
@@ -119,8 +120,8 @@ class McoreCheckpointReader:
         stored = {k for k in self.stored if not k.startswith("optimizer.")}
         missing, extra = sorted(needed - stored), sorted(stored - needed)
         if missing or extra:
-            raise KeyError(f"{self.path}: checkpoint lacks {missing[:10]} and has unexpected "
-                           f"tensors {extra[:10]}; is it from another architecture?")
+            raise adapter.WeightMismatchError(f"{self.path}: checkpoint lacks {missing[:10]} and has unexpected "
+                                              f"tensors {extra[:10]}; is it from another architecture?")
 
     def iter_layers(self) -> Iterator[dict[str, torch.Tensor]]:
         """Every layer in order (all HF tensors of the model, one layer at a time)."""
