@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from areal_mcore.launcher.allocation import parse_allocation
+from areal_mcore.net import free_port
 from areal_mcore.run_dir import RunDir, Status
 
 
@@ -133,8 +134,6 @@ class Launcher:
         return addresses
 
     def _start_trainer(self, nodes: list[str], addresses: list[str]) -> None:
-        from areal_mcore.net import free_port
-
         t, gpn = self.alloc.trainer, self.cfg.launch.gpus_per_node
         per_node = min(t.gpus, gpn)
         master = node_address(nodes[0])
@@ -265,7 +264,6 @@ def _healthy(address: str) -> bool:
 def serve(config: str, overrides: list[str], index: int, host: str, rendezvous: Path) -> None:
     """One rollout server (an srun task): picks a port on this node, publishes it, execs."""
     from areal_mcore.config import load_config
-    from areal_mcore.net import free_port
     from areal_mcore.rollout.launcher import server_command
 
     cfg = load_config(config, overrides)
