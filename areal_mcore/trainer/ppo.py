@@ -173,7 +173,8 @@ class PPORun:
             out = side.rollout()
             self.logger.dump_rollouts(step + 1, out.samples, side.decode)
             samples, stats = out.samples, out.stats
-        shard, moved = self.dispatcher.dispatch(samples, self.cfg.rollout.n_samples, side and side.packer)
+        packer = side.packer if side is not None else None
+        shard, moved = self.dispatcher.dispatch(samples, self.cfg.rollout.n_samples, packer)
         stats = collectives.broadcast_object(stats, 0, dist.group.WORLD)  # a few scalars
         if self.rank == 0:
             stats = {**stats, "dispatch/bytes": float(moved.bytes_sent),
