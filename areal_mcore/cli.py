@@ -246,7 +246,7 @@ def _init_distributed() -> None:
     import torch.distributed as dist
 
     from areal_mcore.devices import bind_local_device
-    from areal_mcore.rollout.launcher import free_port
+    from areal_mcore.net import free_port
 
     bind_local_device()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"convert": run_convert, "filter": run_filter, "train": run_train,
                 "sft": run_train, "eval": run_eval, "launch": run_launch, "plan": run_plan}[a.command](a)
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # user errors; anything else is a bug: traceback
         print(f"areal-mcore {a.command}: error: {e}", file=sys.stderr)
         return 2
 

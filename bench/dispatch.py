@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from areal_mcore.net import free_port
 from areal_mcore.rollout.controller import Sample
-from areal_mcore.rollout.launcher import free_port
 from areal_mcore.trainer.dispatch import Dispatcher, SamplePacker, split_groups
 from areal_mcore.trainer.dispatch_projection import (
     BatchShape,

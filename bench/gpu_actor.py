@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from areal_mcore.actor import MegatronActor
-from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+from areal_mcore.actor.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+from areal_mcore.actor.megatron_actor import MegatronActor
 from areal_mcore.devices import bind_local_device
 from areal_mcore.packing import pack
 

@@ -41,8 +41,8 @@ def _qwen2_1b(max_len: int):
 
 
 def _actor(hf, dtype: str, mb_tokens: int, steps: int = 1):
-    from areal_mcore.actor import MegatronActor
-    from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+    from areal_mcore.actor.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+    from areal_mcore.actor.megatron_actor import MegatronActor
 
     cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=mb_tokens), optimizer=OptimizerConfig(lr=1e-5, eps=1e-5),
                       dtype=dtype, layer_spec="local")
@@ -50,7 +50,7 @@ def _actor(hf, dtype: str, mb_tokens: int, steps: int = 1):
 
 
 def check_placement(device: torch.device) -> dict:
-    from areal_mcore.config import NormConfig, PPOConfig
+    from areal_mcore.algo.config import NormConfig, PPOConfig
     from areal_mcore.packing import allocate_micro_batches_synced
     from areal_mcore.rollout.controller import Sample
     from areal_mcore.trainer.batch import to_train_batch

@@ -83,8 +83,8 @@ def main(n_seqs: int = 96, max_len: int = 2048, cap: int = 4096, repeats: int = 
         dist.init_process_group("gloo", rank=0, world_size=1)
     from transformers import Qwen2Config
 
+    from areal_mcore.actor.config import ParallelConfig
     from areal_mcore.actor.parallel import init_parallel
-    from areal_mcore.config import ParallelConfig
     from areal_mcore.model.args import ModelArgs
     from areal_mcore.model.hf_config import build_gpt_model, transformer_config
 

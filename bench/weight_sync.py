@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from areal_mcore.net import free_port
 from areal_mcore.rollout.client import ClientConfig, RolloutClient
-from areal_mcore.rollout.launcher import ServerConfig, free_port, launch_servers
+from areal_mcore.rollout.launcher import ServerConfig, launch_servers
 from areal_mcore.rollout.server import join_group
 from areal_mcore.weight_sync.group import init_update_group
 from areal_mcore.weight_sync.projection import GPU_LINK, LinkModel, predict_sync_s, projection_table
@@ -127,8 +128,8 @@ def main(argv=None) -> dict:
 
     from transformers import Qwen2ForCausalLM
 
-    from areal_mcore.actor import MegatronActor
-    from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+    from areal_mcore.actor.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+    from areal_mcore.actor.megatron_actor import MegatronActor
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

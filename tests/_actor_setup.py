@@ -3,8 +3,8 @@
 import torch
 from _tiny_model import tiny_qwen2
 
+from areal_mcore.actor.config import ActorConfig, MicroBatchSpec, OptimizerConfig, ParallelConfig
 from areal_mcore.algo import ppo_actor_loss
-from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig, ParallelConfig
 
 VOCAB = 250
 LENGTHS = [7, 12, 5, 9, 11, 3, 8, 10]  # two minibatches of four sequences
@@ -32,7 +32,7 @@ def ppo_loss(logp, mb, tokens):
 
 def tiny_actor(tp=1, pp=1, cap=4096, tie=False, recompute=False, sp="auto", layers=4,
                first_stage_layers=None, shape=None):
-    from areal_mcore.actor import MegatronActor
+    from areal_mcore.actor.megatron_actor import MegatronActor
 
     hf_config, state, _ = tiny_qwen2(tie=tie, vocab=VOCAB, layers=layers, **(shape or {}))
     cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=cap),

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from areal_mcore.devices import bind_local_device
-from areal_mcore.rollout.launcher import free_port
+from areal_mcore.net import free_port
 
 
 def _worker(rank, world_size, port, fn, args, queue):

@@ -37,8 +37,13 @@ def _batch(step: int):
 
 
 def _actor(hf_dir: Path):
-    from areal_mcore.actor import MegatronActor
-    from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig, ParallelConfig
+    from areal_mcore.actor.config import (
+        ActorConfig,
+        MicroBatchSpec,
+        OptimizerConfig,
+        ParallelConfig,
+    )
+    from areal_mcore.actor.megatron_actor import MegatronActor
     from areal_mcore.convert.tools import _load_hf_config, load_hf_state_dict
 
     cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=16),
@@ -50,9 +55,9 @@ def _actor(hf_dir: Path):
 
 
 def main(mode: str, out: Path, hf_dir: Path, ckpt_root: Path | None = None) -> None:
+    from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
     from areal_mcore.convert.tools import mcore_to_hf
     from areal_mcore.model.mcore_compat import MCORE_VERSION_STR
-    from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
 
     out.mkdir(parents=True, exist_ok=True)
     result = {"megatron_core": MCORE_VERSION_STR, "torch": torch.__version__,

@@ -68,7 +68,7 @@ def test_vocab_rows_are_padded_with_zeros_and_stages_own_their_layers():
 def test_missing_hf_weight_is_named():
     args, state = _hf_model("qwen2", False)
     del state["model.layers.3.mlp.up_proj.weight"]
-    with pytest.raises(KeyError, match="model.layers.3.mlp.up_proj.weight"):
+    with pytest.raises(adapter.WeightMismatchError, match="model.layers.3.mlp.up_proj.weight"):
         adapter.from_hf(state, args, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, padded_vocab=64)
 
 

@@ -27,7 +27,7 @@ def _batch(step, dp_rank, dp_size):
 
 
 def _checkpointer(root):
-    from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
+    from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
 
     return Checkpointer(CheckpointConfig(root=root, keep_last=2), dist.group.WORLD)
 
@@ -74,7 +74,7 @@ def test_resume_with_another_dp_size_is_close(uninterrupted, tmp_path):
 
 
 def _crash_worker(rank, world, root):
-    import areal_mcore.trainer.checkpoint as ck
+    import areal_mcore.actor.checkpoint as ck
 
     actor = _actor(cap=16)
     ckpt = _checkpointer(root)
@@ -129,21 +129,21 @@ def _fake_actor(tp=1, pp=1, **args_overrides):
 
 
 def _manifest(actor, tp=1, pp=1):
-    from areal_mcore.trainer.checkpoint import FORMAT
+    from areal_mcore.actor.checkpoint import FORMAT
 
     return {"format": FORMAT, "layout": {"tp": tp, "pp": pp, "dp": 1, "world": tp * pp},
             "model_args": dataclasses.asdict(actor.args)}
 
 
 def test_other_tp_pp_layout_is_rejected_with_the_fix():
-    from areal_mcore.trainer.checkpoint import _check_compatible
+    from areal_mcore.actor.checkpoint import _check_compatible
 
     with pytest.raises(ValueError, match=r"tp=2, pp=1; this run has tp=1, pp=2.*tools/convert_ckpt"):
         _check_compatible(_manifest(_fake_actor(), tp=2, pp=1), _fake_actor(pp=2), Path("ck"))
 
 
 def test_model_mismatch_lists_every_differing_field():
-    from areal_mcore.trainer.checkpoint import _check_compatible
+    from areal_mcore.actor.checkpoint import _check_compatible
 
     saved = _manifest(_fake_actor())
     with pytest.raises(ValueError) as e:
@@ -153,8 +153,8 @@ def test_model_mismatch_lists_every_differing_field():
 
 
 def test_a_checkpoint_of_a_newer_megatron_core_is_refused_naming_both_versions():
+    from areal_mcore.actor.checkpoint import _check_compatible
     from areal_mcore.model.mcore_compat import MCORE_VERSION, MCORE_VERSION_STR
-    from areal_mcore.trainer.checkpoint import _check_compatible
 
     actor = _fake_actor()
     newer = f"{MCORE_VERSION[0]}.{MCORE_VERSION[1] + 1}.0+abc1234"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from areal_mcore import cli
 from areal_mcore.cli import main
+from areal_mcore.model.adapter import WeightMismatchError
 
 
 def test_train_help_names_the_config_and_overrides(capsys):
@@ -42,3 +44,19 @@ def test_the_shipped_configs_load():
     sft = load_config("configs/boba_32b_sft.yaml")
     assert sft.sft.base_model == sft.model_path and sft.dataset.format == "messages"
     assert load_config("configs/boba_32b_ppo.yaml").model_path == sft.sft.output_dir
+
+
+@pytest.mark.parametrize("error, user", [(WeightMismatchError("ckpt lacks x: is it another model?"), True),
+                                         (FileNotFoundError("no such folder: pass another"), True),
+                                         (KeyError("a bug's missing key"), False)])
+def test_cli_reports_user_errors_in_one_line_and_lets_bugs_raise(monkeypatch, capsys, error, user):
+    def fail(a):
+        raise error
+
+    monkeypatch.setattr(cli, "run_plan", fail)
+    if not user:  # a bug keeps its traceback
+        with pytest.raises(type(error)):
+            cli.main(["plan", "--config", "configs/tiny_cpu.yaml"])
+        return
+    assert cli.main(["plan", "--config", "configs/tiny_cpu.yaml"]) == 2
+    assert capsys.readouterr().err == f"areal-mcore plan: error: {error}\n"

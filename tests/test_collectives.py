@@ -14,7 +14,7 @@ from _fake_cuda import FakeCuda, is_fake_cuda, nccl_like
 from test_dispatch import _samples
 
 from areal_mcore import collectives
-from areal_mcore.config import NormConfig, PPOConfig
+from areal_mcore.algo.config import NormConfig, PPOConfig
 from areal_mcore.trainer.dispatch import RolloutShard
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_mcore.config import ConfigError, ExperimentConfig, NormConfig, load_config
+from areal_mcore.algo.config import NormConfig
+from areal_mcore.config import ConfigError, ExperimentConfig, load_config
 
 BOBA_7B = Path(__file__).parents[1] / "configs" / "boba_7b.yaml"
 
@@ -110,7 +111,7 @@ def test_min_new_tokens_with_tokenizer_free_servers_is_refused_with_the_reason()
 
 def test_pause_mode_takes_sglangs_three_modes_only():
     assert load_config(TINY, ["weight_sync.pause_mode=retract"]).weight_sync.pause_mode == "retract"
-    with pytest.raises(ConfigError, match=r"pause_mode must be one of \['abort', 'retract', 'in_place'\]"):
+    with pytest.raises(ConfigError, match=r"weight_sync.pause_mode='inplace' is not allowed; choose one of \['abort', 'retract', 'in_place'\]"):
         load_config(TINY, ["weight_sync.pause_mode=inplace"])
 
 
@@ -148,3 +149,66 @@ def test_settings_the_training_maths_cannot_honour_are_refused(override):
 def test_negative_normalisation_eps_is_refused():
     with pytest.raises(ConfigError, match="ppo.reward_norm.eps"):
         load_config(BOBA_7B, ["ppo.reward_norm.eps=-1"])
+
+
+# One bad value per section (and nested section): the message names the full dotted key
+# once, where the dataclass that rejects it sits. The sections come from the schema, so a
+# new section without a case here fails the coverage test below.
+SECTION_CASES = {
+    "actor": ("actor.dtype=float16", "actor.dtype"),
+    "actor.mb_spec": ("actor.mb_spec.min_mbs=0", "actor.mb_spec.min_mbs"),
+    "actor.optimizer": ("actor.optimizer.lr_scheduler=step", "actor.optimizer.lr_scheduler"),
+    "actor.parallel": ("actor.parallel.first_stage_layers=2", "actor.parallel.first_stage_layers"),
+    "ppo": ("ppo.c_clip=0.5", "ppo.c_clip"),
+    "ppo.reward_norm": ("ppo.reward_norm.std_level=prompt", "ppo.reward_norm.std_level"),
+    "ppo.adv_norm": ("ppo.adv_norm.eps=-1", "ppo.adv_norm.eps"),
+    "dataset": ("dataset.format=csv", "dataset.format"),
+    "eval_dataset": ("eval_dataset.think=yes", "eval_dataset.think"),
+    "rollout": ("rollout.n_samples=0", "rollout.n_samples"),
+    "server": ("server.backend=tgi", "server.backend"),
+    "weight_sync": ("weight_sync.mode=bogus", "weight_sync.mode"),
+    "reward": ("reward.timeout_s=0", "reward.timeout_s"),
+    "trainer": ("trainer.mode=later", "trainer.mode"),
+    "trainer.wandb": ("trainer.wandb.mode=loud", "trainer.wandb.mode"),
+    "sft": ("sft.response_template=x", "sft.response_template"),
+    "launch": ("launch.gpus_per_node=0", "launch.gpus_per_node"),
+    "plan": ("plan.margin_gb=-1", "plan.margin_gb"),
+}
+
+
+@pytest.mark.parametrize("section", sorted(SECTION_CASES))
+def test_each_sections_validation_names_its_full_key_once(section):
+    override, key = SECTION_CASES[section]
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, [override])
+    msg = str(e.value)
+    assert msg.startswith(key) and msg.count(key) == 1, msg
+    assert f"{section}.{section}" not in msg, msg
+
+
+def test_every_config_section_has_a_validation_case():
+    from areal_mcore.config import _all_keys, _dataclass_of, _field_type
+
+    sections = {k for k in _all_keys(ExperimentConfig) if _dataclass_of(_field_type(ExperimentConfig, k))}
+    assert sections == set(SECTION_CASES)
+
+
+def test_a_bogus_weight_sync_mode_is_reported_once_with_the_choices():
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["weight_sync.mode=bogus"])
+    assert str(e.value) == "weight_sync.mode='bogus' is not allowed; choose one of ['distributed', 'disk']"
+
+
+def test_the_launch_allocation_follows_server_backend_when_unset():
+    assert load_config(TINY, []).launch.allocation == "embedded:d1+megatron:d1"
+    sglang = load_config(TINY, ["server.backend=sglang"])
+    assert sglang.launch.allocation == "sglang:d1+megatron:d1"
+    assert load_config(TINY, ["launch.stage=sft"]).launch.allocation == "megatron:d1"
+
+
+def test_an_allocation_naming_another_backend_than_server_backend_is_refused_naming_both():
+    with pytest.raises(ConfigError) as e:
+        load_config(BOBA_7B, ["server.backend=embedded", "server.tp_size=1"])  # allocation: sglang:d16+...
+    msg = str(e.value)
+    assert "launch.allocation='sglang:d16+megatron:d8t2'" in msg and "server.backend='embedded'" in msg
+    assert "embedded:d16" in msg  # the allocation that would agree

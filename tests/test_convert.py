@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from areal_mcore.cli import parse_size
 from areal_mcore.convert.tools import load_hf_state_dict
+from areal_mcore.model.adapter import WeightMismatchError
 
 ROOT = Path(__file__).parents[1]
 
@@ -106,7 +107,7 @@ def test_config_mismatch_lists_every_field_and_writes_nothing(hf_folder, tmp_pat
 
     reader = McoreCheckpointReader.resolve(ckpt)
     reader.args = dataclasses.replace(reader.args, qkv_bias=False)
-    with pytest.raises(KeyError, match=r"unexpected tensors \['decoder.layers.self_attention.linear_qkv.bias'\]"):
+    with pytest.raises(WeightMismatchError, match=r"unexpected tensors \['decoder.layers.self_attention.linear_qkv.bias'\]"):
         reader.check_keys()
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from areal_mcore import devices
-from areal_mcore.rollout.launcher import free_port
+from areal_mcore.net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

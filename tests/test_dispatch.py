@@ -92,8 +92,9 @@ def _pickled_rollout(self, step):
     """PPORun.rollout before #16 (the whole batch pickled to every rank), the reference."""
     box = [None, None]
     if self.rank == 0:
-        batch = [self.prompts[i] for i in self.sampler.next_batch()]
-        out = self._run(self.controller.rollout_batch(batch))
+        side = self.rollout_side
+        batch = [side.prompts[i] for i in side.sampler.next_batch()]
+        out = self.loop.run(side.controller.rollout_batch(batch))
         box = [out.samples, out.stats]
     dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
     samples, stats = box

@@ -139,9 +139,9 @@ def _megatron_token_logprobs(logits_TV, input_ids_T, cu_seqlens_B1, *, vocab_siz
 
 
 def _tp_worker(rank, world_size):
+    from areal_mcore.actor.config import ParallelConfig
     from areal_mcore.actor.logprobs import token_logprobs
     from areal_mcore.actor.parallel import init_parallel
-    from areal_mcore.config import ParallelConfig
     from areal_mcore.kernels import _logprob_triton
 
     for name, value in SMALL_TILES.items():
@@ -251,7 +251,8 @@ def test_every_triton_kernel_compiles_to_a_hopper_cubin_without_a_gpu(tmp_path):
 
 
 def test_kernel_choice_outside_auto_triton_torch_is_rejected_naming_the_key():
-    from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig, PPOConfig
+    from areal_mcore.actor.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+    from areal_mcore.algo.config import PPOConfig
 
     with pytest.raises(ValueError, match="logprob_kernel='cuda'"):
         ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=8), optimizer=OptimizerConfig(lr=1.0),

@@ -118,3 +118,12 @@ def test_boba_32b_ppo_says_which_node_count_it_needs(tmp_path):
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert "STAGE=ppo needs -N a multiple of 8 from 8 to 128" in out.stderr and "has 4 nodes" in out.stderr
+
+
+def test_the_allocations_rollout_backends_are_the_engines_the_client_knows():
+    # allocation.py keeps its own tuple (a leaf: no rollout imports); the two must agree.
+    from areal_mcore.launcher.allocation import ROLLOUT_BACKENDS
+    from areal_mcore.rollout.engines import BACKENDS
+
+    assert sorted(ROLLOUT_BACKENDS) == sorted(BACKENDS)
+    assert parse_allocation("vllm:d2t2+megatron:d4").rollout.backend == "vllm"

@@ -48,8 +48,13 @@ def _measure(case):
 
 
 def tiny_actor_selective(case):
-    from areal_mcore.actor import MegatronActor
-    from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig, ParallelConfig
+    from areal_mcore.actor.config import (
+        ActorConfig,
+        MicroBatchSpec,
+        OptimizerConfig,
+        ParallelConfig,
+    )
+    from areal_mcore.actor.megatron_actor import MegatronActor
 
     hf_config, state, _ = tiny_qwen2(vocab=VOCAB)
     cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=CAP), optimizer=OptimizerConfig(lr=1e-3),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -137,7 +138,8 @@ def test_a_stop_file_checkpoints_and_exits_and_the_next_run_goes_on(tmp_path):
     assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=16, n_test=4,
                                                 hidden_size=32, intermediate_size=64, num_layers=1))
     overrides = _overrides(assets, tmp_path, "stop", "actor.optimizer.lr=1e-4", "rollout.max_new_tokens=8",
-                           "rollout.n_samples=2", "server.context_length=256", "trainer.total_steps=3")
+                           "rollout.n_samples=2", "server.context_length=256", "trainer.total_steps=3",
+                           "trainer.save_freq=3")  # and a checkpoint of the resumed run at its end
     run_dir = tmp_path / "runs" / "stop"
     run_dir.mkdir(parents=True)
     (run_dir / "STOP").touch()  # e.g. the Slurm launcher on its time-limit signal
@@ -147,3 +149,9 @@ def test_a_stop_file_checkpoints_and_exits_and_the_next_run_goes_on(tmp_path):
     assert not (run_dir / "hf").exists()  # not the last step: no export
     (second,) = run_gloo(_ppo_worker, 1, overrides)
     assert [r["step"] for r in second] == [2, 3]
+    # The resumed run's checkpoint records the config it ran with, resolved (defaults,
+    # interpolations and derived values filled in), as JSON.
+    manifest = json.loads((run_dir / "checkpoints" / "step_00000003" / "manifest.json").read_text())
+    resolved = dataclasses.asdict(load_config(None, overrides))
+    assert manifest["config"] == json.loads(json.dumps(resolved))
+    assert manifest["config"]["server"]["model_path"] == assets["model"]  # ${model_path} resolved

@@ -16,7 +16,7 @@ from _rollout import embedded_servers
 
 from areal_mcore.config import load_config
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
-from areal_mcore.rollout.launcher import free_port
+from areal_mcore.net import free_port
 
 STEPS = 4
 

@@ -11,7 +11,7 @@ import torch
 from _actor_setup import VOCAB, tiny_actor
 from _dist import run_gloo
 
-from areal_mcore.config import NormConfig, PPOConfig
+from areal_mcore.algo.config import NormConfig, PPOConfig
 from areal_mcore.rollout.controller import Sample
 
 PPO = PPOConfig(ppo_n_minibatches=4, reward_bias=-0.5, reward_scaling=10.0, use_decoupled_loss=True,

@@ -53,13 +53,14 @@ def test_kill_9_one_of_two_servers_mid_batch_loses_and_duplicates_nothing(tmp_pa
 
 
 def _stand_in(behaviour: str, log: list):
-    """A server that is slow (sleeps past the client timeout), broken (HTTP 503) or fine."""
+    """A server that is slow (sleeps past the client timeout), stuck (slow, and its abort
+    hangs too), broken (HTTP 503) or fine."""
     from aiohttp import web
 
     async def generate(request):
         body = await request.json()
         log.append((behaviour, "generate", body["rid"]))
-        if behaviour == "slow":
+        if behaviour in ("slow", "stuck"):
             await asyncio.sleep(3)
         if behaviour == "broken":
             return web.Response(status=503, text="overloaded")
@@ -69,6 +70,8 @@ def _stand_in(behaviour: str, log: list):
 
     async def abort(request):
         log.append((behaviour, "abort", (await request.json())["rid"]))
+        if behaviour == "stuck":
+            await asyncio.sleep(5)  # < the client's 10 s abort timeout: close must not wait for it
         return web.Response(status=200)
 
     async def info(request):
@@ -85,7 +88,7 @@ async def _serve(apps) -> tuple[list, list[str]]:
     """Each aiohttp app on its own loopback port: (runners to clean up, addresses)."""
     from aiohttp import web
 
-    from areal_mcore.rollout.launcher import free_port
+    from areal_mcore.net import free_port
 
     runners, addresses = [], []
     for app in apps:
@@ -122,6 +125,30 @@ def test_timeouts_and_5xx_fail_over_and_the_slow_server_is_told_to_abort():
     # ID" of its own earlier attempt, and the abort names the attempt it cancels.
     assert [rid for _, what, rid in log if what == "generate"] == ["r1.0", "r1.1", "r1.2"]
     assert [rid for _, what, rid in log if what == "abort"] == ["r1.0"]
+
+
+def test_close_cancels_a_background_abort_still_in_flight():
+    async def run():
+        log: list = []
+        runners, addresses = await _serve([_stand_in(b, log) for b in ("stuck", "fine")])
+        try:
+            cfg = ClientConfig(addresses=addresses, request_timeout_s=0.3, retry_delay_s=0.01)
+            client = RolloutClient(cfg)
+            await client.start()
+            await client.generate([1, 2], SamplingParams(max_new_tokens=1), rid="r1")
+            while not any(what == "abort" for _, what, _ in log):  # the abort reached the server
+                await asyncio.sleep(0.01)
+            (task,) = client._background
+            t0 = asyncio.get_running_loop().time()
+            await client.close()  # does not wait out the abort's 10 s timeout
+            took = asyncio.get_running_loop().time() - t0
+        finally:
+            for r in runners:
+                await r.cleanup()
+        return task, took, client._background
+
+    task, took, left = asyncio.run(run())
+    assert task.cancelled() and not left and took < 2.0
 
 
 def test_servers_sglang_cannot_update_over_distributed_are_refused_by_name():

@@ -20,8 +20,8 @@ from _rollout import embedded_servers, http, tiny_hf_dir
 from _sglang import definitions, init_custom_process_group, source, wheel_modules
 from aiohttp import web
 
+from areal_mcore.net import free_port
 from areal_mcore.rollout.client import ClientConfig, RolloutClient
-from areal_mcore.rollout.launcher import free_port
 from areal_mcore.rollout.protocol import SamplingParams
 
 # The HTTP route -> SGLang's request struct for its JSON body (http_server.py handlers).

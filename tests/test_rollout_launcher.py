@@ -31,8 +31,8 @@ def test_embedded_command_runs_our_server_module():
     assert cmd[1:3] == ["-m", "areal_mcore.rollout.server"] and _flag(cmd, "--random-seed") == "3"
 
 
-@pytest.mark.parametrize("kw, msg", [({"backend": "trtllm"}, "backend must be one of"),
-                                     ({"backend": "embedded", "tp_size": 2}, "tp_size must be 1"),
+@pytest.mark.parametrize("kw, msg", [({"backend": "trtllm"}, "backend='trtllm' is not allowed"),
+                                     ({"backend": "embedded", "tp_size": 2}, "tp_size=2 must be 1"),
                                      ({"mem_fraction_static": 1.5}, "mem_fraction_static")])
 def test_bad_server_config_names_the_key(kw, msg):
     with pytest.raises(ValueError, match=msg):

@@ -12,7 +12,8 @@ import torch
 from _rollout import embedded_servers, http, tiny_hf_dir
 
 from areal_mcore.convert.hf_files import load_hf_state_dict
-from areal_mcore.rollout.launcher import ServerConfig, free_port
+from areal_mcore.net import free_port
+from areal_mcore.rollout.launcher import ServerConfig
 from areal_mcore.rollout.server import parse_args
 from areal_mcore.weight_sync.group import destroy_update_group, init_update_group
 

@@ -55,7 +55,8 @@ def test_tp2_pp2_sequence_parallel_equals_tp2_pp2():
 
 
 def test_sequence_parallel_config_auto_is_on_with_tp_only():
-    from areal_mcore.config import ConfigError, ParallelConfig, load_config
+    from areal_mcore.actor.config import ParallelConfig
+    from areal_mcore.config import ConfigError, load_config
 
     assert ParallelConfig(tp=2).use_sequence_parallel
     assert not ParallelConfig(tp=1).use_sequence_parallel

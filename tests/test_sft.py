@@ -49,8 +49,8 @@ def test_a_written_assistant_turn_is_the_response_and_not_part_of_the_prompt():
 def _sft_worker(rank, world):
     from transformers import Qwen2Config
 
-    from areal_mcore.actor import MegatronActor
-    from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+    from areal_mcore.actor.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+    from areal_mcore.actor.megatron_actor import MegatronActor
     from areal_mcore.trainer.sft import train_sft
 
     tok, problems = _tokenizer_and_problems(32)

@@ -29,8 +29,8 @@ def _server_samples(model_dir, log_dir, temperature, n=4):
 def _actor_logprobs(rank, world, model_dir, samples, temperatures):
     from transformers import AutoConfig
 
-    from areal_mcore.actor import MegatronActor
-    from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+    from areal_mcore.actor.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+    from areal_mcore.actor.megatron_actor import MegatronActor
     from areal_mcore.convert.hf_files import load_hf_state_dict
     from areal_mcore.packing import pack
 

@@ -9,12 +9,12 @@ import pytest
 from _actor_setup import ppo_loss, seqs, tiny_actor, train_fields
 from _dist import run_gloo
 
-from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+from areal_mcore.actor.config import ActorConfig, MicroBatchSpec, OptimizerConfig
 from areal_mcore.packing import pack
 
 
 def _two_steps(overlap_grad, overlap_param):
-    from areal_mcore.actor import MegatronActor
+    from areal_mcore.actor.megatron_actor import MegatronActor
 
     base = tiny_actor(cap=24)
     cfg = dataclasses.replace(base.cfg, overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param)

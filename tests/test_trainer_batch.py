@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from areal_mcore.config import NormConfig, PPOConfig
+from areal_mcore.algo.config import NormConfig, PPOConfig
 from areal_mcore.packing import unpack
 from areal_mcore.rollout.controller import Sample
 from areal_mcore.trainer.batch import to_train_batch

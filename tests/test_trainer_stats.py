@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from areal_mcore.config import TrainerConfig
 from areal_mcore.model.args import ModelArgs
 from areal_mcore.trainer import stats as S
+from areal_mcore.trainer.config import TrainerConfig
 
 
 def test_train_flops_count_every_matmul_weight_of_the_real_model():

@@ -18,7 +18,7 @@ from _wandb import history
 from areal_mcore.cli import main
 from areal_mcore.config import ConfigError, load_config
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
-from areal_mcore.rollout.launcher import free_port
+from areal_mcore.net import free_port
 from areal_mcore.trainer.stats import _scalar
 
 STEPS = 4

@@ -27,9 +27,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from areal_mcore import accel, collectives
+from areal_mcore.actor.config import ActorConfig
 from areal_mcore.actor.logprobs import token_logprobs
 from areal_mcore.actor.parallel import ParallelGroups, init_parallel
-from areal_mcore.config import ActorConfig
 from areal_mcore.devices import check_bound
 from areal_mcore.model import adapter
 from areal_mcore.model.args import ModelArgs, padded_vocab_size, stage_layer_counts

@@ -9,7 +9,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from areal_mcore.config import ParallelConfig
+from areal_mcore.actor.config import ParallelConfig
 from areal_mcore.model import mcore_compat
 from areal_mcore.model.cpu_shims import apply_cpu_shims
 

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from areal_mcore.model import adapter
 from areal_mcore.model.args import ModelArgs
+from areal_mcore.run_dir import latest_checkpoint
 
 # megatron saves the layer norms of the local spec under the TE spec's fused names
 # (TransformerLayer's sharded_state_dict_keys_map), so checkpoints of both specs agree.
@@ -53,7 +54,7 @@ class _RegionPlanner(DefaultLoadPlanner):
 
 
 class McoreCheckpointReader:
-    """One checkpoint folder (``step_XXXXXXXX``) of ``trainer.checkpoint``."""
+    """One checkpoint folder (``step_XXXXXXXX``) of ``actor.checkpoint``."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -70,10 +71,7 @@ class McoreCheckpointReader:
     @classmethod
     def resolve(cls, path: str | Path) -> McoreCheckpointReader:
         """Accepts a checkpoint folder or a checkpoint root with a ``latest`` pointer."""
-        path = Path(path)
-        if (path / "latest").exists():
-            path = path / (path / "latest").read_text().strip()
-        return cls(path)
+        return cls(latest_checkpoint(path) or path)
 
     @staticmethod
     def _key(name: str) -> str:
@@ -98,7 +96,8 @@ class McoreCheckpointReader:
         for name in names:
             key = self._key(name)
             if key not in self.stored:
-                raise KeyError(f"{self.path}: checkpoint lacks {key!r} (needed for {name})")
+                raise adapter.WeightMismatchError(f"{self.path}: checkpoint lacks {key!r} (needed for {name}); is it "
+                                                  f"from another architecture?")
             meta = self.stored[key]
             per_layer = name.startswith("decoder.layers.")
             shape = (1, *meta.size[1:]) if per_layer else tuple(meta.size)
@@ -121,8 +120,8 @@ class McoreCheckpointReader:
         stored = {k for k in self.stored if not k.startswith("optimizer.")}
         missing, extra = sorted(needed - stored), sorted(stored - needed)
         if missing or extra:
-            raise KeyError(f"{self.path}: checkpoint lacks {missing[:10]} and has unexpected "
-                           f"tensors {extra[:10]}; is it from another architecture?")
+            raise adapter.WeightMismatchError(f"{self.path}: checkpoint lacks {missing[:10]} and has unexpected "
+                                              f"tensors {extra[:10]}; is it from another architecture?")
 
     def iter_layers(self) -> Iterator[dict[str, torch.Tensor]]:
         """Every layer in order (all HF tensors of the model, one layer at a time)."""

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mcore import collectives
-from areal_mcore.actor import MegatronActor
+from areal_mcore.actor.megatron_actor import MegatronActor
 from areal_mcore.convert.hf_writer import (
     ShardedSafetensorsWriter,
     finalize_shards,

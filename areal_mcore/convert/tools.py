@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -20,6 +19,8 @@ from areal_mcore.convert.hf_writer import ShardedSafetensorsWriter, write_model_
 from areal_mcore.convert.mcore_reader import McoreCheckpointReader
 from areal_mcore.model import adapter
 from areal_mcore.model.args import ModelArgs, args_mismatch
+from areal_mcore.net import free_port
+from areal_mcore.run_dir import latest_checkpoint
 
 
 def _hf_config_from_dict(d: dict):
@@ -115,8 +116,8 @@ def _megatron_logits(reader: McoreCheckpointReader, tokens: torch.Tensor) -> tor
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
+    from areal_mcore.actor.config import ParallelConfig
     from areal_mcore.actor.parallel import init_parallel
-    from areal_mcore.config import ParallelConfig
     from areal_mcore.devices import bind_local_device
     from areal_mcore.model.args import padded_vocab_size
     from areal_mcore.model.hf_config import build_gpt_model, transformer_config
@@ -125,7 +126,7 @@ def _megatron_logits(reader: McoreCheckpointReader, tokens: torch.Tensor) -> tor
     own_group = not dist.is_initialized()
     if own_group:
         bind_local_device()  # this process is rank 0 of its own world  # megatron's layers want a process group: a world of one
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     init_parallel(ParallelConfig(), seed=1)
     try:
         vocab = padded_vocab_size(args.vocab_size, 1)
@@ -158,20 +159,24 @@ def hf_to_mcore(input: str | Path, output: str | Path, *, tp: int = 1, pp: int =
     args = ModelArgs.from_hf(_load_hf_config(input))
     names = [n for n in hf_tensor_names(input) if not (args.tie_word_embeddings and n == "lm_head.weight")]
     adapter.check_hf_names(names, args, str(input))
-    port = _free_port()
+    port = free_port()
     mp.start_processes(_hf_to_mcore_rank, args=(tp * pp, port, str(input), str(output), tp, pp, dtype),
                        nprocs=tp * pp, start_method="spawn")
-    root = Path(output)
-    return root / (root / "latest").read_text().strip()
+    return latest_checkpoint(output)
 
 
 def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, dtype):
     import torch.distributed as dist
 
-    from areal_mcore.actor import MegatronActor
-    from areal_mcore.config import ActorConfig, MicroBatchSpec, OptimizerConfig, ParallelConfig
+    from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
+    from areal_mcore.actor.config import (
+        ActorConfig,
+        MicroBatchSpec,
+        OptimizerConfig,
+        ParallelConfig,
+    )
+    from areal_mcore.actor.megatron_actor import MegatronActor
     from areal_mcore.devices import bind_local_device
-    from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     bind_local_device({"LOCAL_RANK": str(rank)})  # spawned here, all on this node
@@ -191,11 +196,3 @@ def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, dtype):
             actor, step=0, weight_version=0, config_snapshot={"imported_from": str(input)})
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-

@@ -25,6 +25,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_mcore.checks import check_choice
+
 FORMATS = ("boba", "qa", "messages", "mc")
 # (prompt_key, solutions_key) when the config leaves them unset.
 FORMAT_KEYS = {"boba": ("prompt", "solutions"), "qa": ("question", "answer"),
@@ -57,10 +59,8 @@ class DatasetConfig:
     think: str = "auto"
 
     def __post_init__(self):
-        if self.format not in FORMATS:
-            raise ValueError(f"format={self.format!r} is not allowed; choose one of {list(FORMATS)}")
-        if self.think not in THINK_MODES:
-            raise ValueError(f"think={self.think!r} is not allowed; choose one of {list(THINK_MODES)}")
+        check_choice("format", self.format, FORMATS)
+        check_choice("think", self.think, THINK_MODES)
         prompt_key, solutions_key = FORMAT_KEYS[self.format]
         self.prompt_key = self.prompt_key or prompt_key
         self.solutions_key = self.solutions_key or solutions_key

@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_mcore.checks import FieldError, check_choice, check_positive, field_error
 from areal_mcore.data.jsonl import THINK_MODES, DatasetConfig
 from areal_mcore.reward.pool import RewardPoolConfig
 from areal_mcore.rollout.launcher import ServerConfig
@@ -58,22 +59,20 @@ class EvalConfig:
     out: str | None = None  # JSON report path
 
     def __post_init__(self):
-        if self.model_kind not in MODEL_KINDS:
-            raise ValueError(f"model_kind={self.model_kind!r} is not allowed; choose one of {list(MODEL_KINDS)}")
-        if self.force_think is not None and self.force_think not in THINK_MODES:
-            raise ValueError(f"force_think={self.force_think!r} is not allowed; choose one of {list(THINK_MODES)}")
+        check_choice("model_kind", self.model_kind, MODEL_KINDS)
+        if self.force_think is not None:
+            check_choice("force_think", self.force_think, THINK_MODES)
         if not self.datasets:
-            raise ValueError("no datasets to evaluate: give at least one JSONL file")
+            raise FieldError("datasets", ": no datasets to evaluate: give at least one JSONL file")
         for key in ("n_samples", "max_new_tokens", "max_concurrent_rollouts"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
-        if self.temperature is not None and self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
+            check_positive(key, getattr(self, key))
+        if self.temperature is not None:
+            check_positive("temperature", self.temperature, allow_zero=True)
         if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+            raise field_error("top_p", self.top_p, "must be in (0, 1]")
         for k in self.ks or []:
             if not 1 <= k <= self.n_samples:
-                raise ValueError(f"pass@{k} needs k <= n_samples, got k={k} and n_samples={self.n_samples}: "
+                raise FieldError("ks", f": pass@{k} needs k <= n_samples, got k={k} and n_samples={self.n_samples}: "
                                  f"lower k or raise n_samples")
 
     def sampling(self) -> tuple[float, float]:

@@ -12,7 +12,6 @@ filter (``data.filters.difficulty_filter``) does with precomputed samples.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from functools import partial
@@ -120,9 +119,7 @@ def _sample(cfg: DifficultyConfig, tokenizer, todo, *, total: int, initial: int)
     try:
         if not addresses:
             server = eval_server_config(cfg.server)
-            if server.log_dir == "logs/rollout":  # the default: keep the logs beside the output
-                server = dataclasses.replace(server, log_dir=cfg.out + "_servers")
-            servers = launch_servers(server)
+            servers = launch_servers(server, default_log_dir=cfg.out + "_servers")  # beside the output
             addresses = [s.address for s in servers]
         with RewardPool(cfg.reward) as pool:
             return asyncio.run(_sample_chunks(cfg, addresses, pool.ascore,

@@ -111,13 +111,13 @@ def _servers(cfg: EvalConfig) -> tuple[list, list[str], dict]:
               f"are {' '.join(EVAL_SGLANG_ARGS)} (set when they were started)", flush=True)
         return [], list(cfg.server.addresses), {"addresses": list(cfg.server.addresses)}
     server = eval_server_config(cfg.server)
-    if cfg.out and server.log_dir == "logs/rollout":  # the default: keep the logs with the report
-        server = dataclasses.replace(server, log_dir=str(Path(cfg.out).with_suffix("")) + "_servers")
     settings = (" ".join(EVAL_SGLANG_ARGS) if server.backend == "sglang" else
                 " ".join(EVAL_VLLM_ARGS) if server.backend == "vllm" else
                 "none needed (the embedded server is eager PyTorch with whole-prompt prefill and full attention)")
     print(f"[eval] starting {server.n_servers} {server.backend} server(s); eval settings: {settings}", flush=True)
-    servers = launch_servers(server)
+    # Unless server.log_dir says otherwise, the logs go with the report.
+    servers = launch_servers(server, default_log_dir=str(Path(cfg.out).with_suffix("")) + "_servers"
+                             if cfg.out else None)
     return servers, [s.address for s in servers], {"backend": server.backend, "extra_args": server.extra_args}
 
 

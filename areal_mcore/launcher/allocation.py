@@ -18,7 +18,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-ROLLOUT_BACKENDS = ("sglang", "embedded")
+# rollout.engines.BACKENDS (tests/test_launcher_allocation.py keeps them equal; this leaf
+# imports nothing of the rollout side).
+ROLLOUT_BACKENDS = ("sglang", "embedded", "vllm")
 TRAINERS = ("megatron",)
 _SIDE = re.compile(r"([a-z]+):((?:[dtpc]\d+)*)")
 _DIM = re.compile(r"([dtpc])(\d+)")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from areal_mcore.launcher.allocation import parse_allocation
+from areal_mcore.checks import FieldError, check_choice, check_positive, field_error
+from areal_mcore.launcher.allocation import AllocationError, parse_allocation
 
 STAGES = ("ppo", "sft")
 
@@ -13,8 +14,9 @@ STAGES = ("ppo", "sft")
 @dataclass(kw_only=True)
 class LaunchConfig:
     # <rollout>:<dims>+megatron:<dims> (launcher/allocation.py); the trainer's tp/pp and the
-    # servers' count and tp_size follow it.
-    allocation: str = "embedded:d1+megatron:d1"
+    # servers' count and tp_size follow it. Its rollout backend must be server.backend;
+    # null: one server of server.backend and one trainer GPU (`megatron:d1` for sft).
+    allocation: str | None = None
     stage: str = "ppo"  # ppo: servers + `areal-mcore train`; sft: `areal-mcore sft`, trainer only
     gpus_per_node: int = 8  # the embedded backend on CPU nodes: processes per node
     gpus: bool | None = None  # ask srun for GPUs; None: when the rollout backend is sglang
@@ -39,19 +41,21 @@ class LaunchConfig:
     mem_per_gpu_mb: int | None = None
 
     def __post_init__(self):
-        alloc = parse_allocation(self.allocation)  # a malformed string fails at config load
-        if self.stage not in STAGES:
-            raise ValueError(f"stage={self.stage!r} is not allowed; choose one of {list(STAGES)}")
-        if (alloc.rollout is None) != (self.stage == "sft"):
-            raise ValueError(f"allocation={self.allocation!r} does not suit stage={self.stage!r}: ppo needs "
-                             f"'<rollout>:<dims>+megatron:<dims>', sft a trainer-only 'megatron:<dims>'")
-        if self.gpus_per_node < 1 or self.max_restarts < 0:
-            raise ValueError("launch.gpus_per_node must be >= 1 and launch.max_restarts >= 0")
+        check_choice("stage", self.stage, STAGES)
+        if self.allocation is not None:  # None: ExperimentConfig derives it from server.backend
+            try:
+                alloc = parse_allocation(self.allocation)  # a malformed string fails at config load
+            except AllocationError as e:
+                raise FieldError("allocation", f": {e}") from None
+            if (alloc.rollout is None) != (self.stage == "sft"):
+                raise field_error("allocation", self.allocation, f"does not suit stage={self.stage!r}: ppo needs "
+                                  "'<rollout>:<dims>+megatron:<dims>', sft a trainer-only 'megatron:<dims>'")
+        check_positive("gpus_per_node", self.gpus_per_node)
+        check_positive("max_restarts", self.max_restarts, allow_zero=True)
         if self.cpus_per_gpu is not None and self.cpus_per_gpu < 1:
-            raise ValueError(f"launch.cpus_per_gpu={self.cpus_per_gpu} must be >= 1 (or null: an even split)")
+            raise field_error("cpus_per_gpu", self.cpus_per_gpu, "must be >= 1 (or null: an even split)")
         if self.mem_per_gpu_mb is not None and self.mem_per_gpu_mb < 0:
-            raise ValueError(f"launch.mem_per_gpu_mb={self.mem_per_gpu_mb} must be >= 0 (0: no --mem; "
-                             f"null: an even split)")
+            raise field_error("mem_per_gpu_mb", self.mem_per_gpu_mb, "must be >= 0 (0: no --mem; null: an even split)")
 
     def step_resources(self, gpus: int, environ: Mapping[str, str]) -> list[str]:
         """srun flags for a task that uses ``gpus`` of its node's ``gpus_per_node`` (on CPU

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 from areal_mcore.launcher.allocation import parse_allocation
+from areal_mcore.net import free_port
+from areal_mcore.run_dir import RunDir, Status
 
 
 @dataclasses.dataclass
@@ -54,19 +56,6 @@ def node_address(node: str) -> str:
     return fields.get("NodeAddr", node)
 
 
-class Status:
-    """``<run>/slurm/status.json``, rewritten atomically on every change."""
-
-    def __init__(self, path: Path, **fields):
-        self.path, self.fields = path, fields
-
-    def update(self, **fields) -> None:
-        self.fields.update(fields, updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.fields, indent=2) + "\n")
-        tmp.replace(self.path)
-
-
 class Launcher:
     """``requeue_self=False`` under submitit, which owns the time-limit signal and the
     requeue (through ``stop_for_requeue``)."""
@@ -79,16 +68,16 @@ class Launcher:
         self.alloc = parse_allocation(cfg.launch.allocation)
         self.job = SlurmJob.from_env()
         # SFT configs have no trainer section: their run folder is the default one.
-        self.run_dir = Path(cfg.trainer.log_dir if cfg.trainer else "runs") / cfg.experiment_name
-        self.slurm_dir = self.run_dir / "slurm"
+        self.files = RunDir.of(cfg.trainer.log_dir if cfg.trainer else "runs", cfg.experiment_name)
+        self.run_dir, self.slurm_dir = self.files.path, self.files.slurm
         self.logs = self.slurm_dir / f"job{self.job.job_id}_try{self.job.restarts}"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.status = Status(self.slurm_dir / "status.json", job_id=self.job.job_id)
+        self.status = Status(self.files, job_id=self.job.job_id)
         self.steps: dict[str, subprocess.Popen] = {}
         self.terminating, self.requeue_self = False, requeue_self
         os.environ.update({k: str(v) for k, v in cfg.launch.env.items()})  # srun steps inherit it
         gpus = cfg.launch.gpus
-        self.gpus = (self.alloc.rollout is None or self.alloc.rollout.backend == "sglang") if gpus is None else gpus
+        self.gpus = (self.alloc.rollout is None or self.alloc.rollout.backend != "embedded") if gpus is None else gpus
 
     # ---- the job -------------------------------------------------------------------------
     def run(self) -> int:
@@ -100,7 +89,7 @@ class Launcher:
                            rollout_nodes=rollout_nodes, trainer_nodes=trainer_nodes, logs=str(self.logs))
         if job.restarts > launch.max_restarts:
             return self._fail(f"restarted {job.restarts} times, over launch.max_restarts={launch.max_restarts}")
-        (self.run_dir / "STOP").unlink(missing_ok=True)  # a request to an earlier try
+        self.files.clear_stop()  # a request to an earlier try
         if self.requeue_self:
             signal.signal(signal.SIGUSR2, self._on_usr2)
             if _EARLY_USR2:  # arrived while this process was still importing
@@ -145,8 +134,6 @@ class Launcher:
         return addresses
 
     def _start_trainer(self, nodes: list[str], addresses: list[str]) -> None:
-        from areal_mcore.rollout.launcher import free_port
-
         t, gpn = self.alloc.trainer, self.cfg.launch.gpus_per_node
         per_node = min(t.gpus, gpn)
         master = node_address(nodes[0])
@@ -194,7 +181,7 @@ class Launcher:
             self.status.update(state="TERMINATED")
             return 143
         # PPO stops early (with a checkpoint) only when asked to; SFT runs to its end.
-        step, total = self._checkpoint_step(), self.cfg.trainer.total_steps if self.cfg.trainer else 0
+        step, total = self.files.checkpoint_step(), self.cfg.trainer.total_steps if self.cfg.trainer else 0
         if self._step() < total and not self.requeue_self:
             self.status.update(state="STOPPED")  # <run>/STOP by hand; submitting again goes on
             return 0
@@ -232,7 +219,7 @@ class Launcher:
 
     def stop_for_requeue(self, grace_s: float = 240.0) -> None:
         """The trainer checkpoints and exits, then every step stops; the caller requeues."""
-        (self.run_dir / "STOP").touch()
+        self.files.request_stop()
         trainer = self.steps.get("trainer")
         if trainer is not None:
             try:
@@ -246,29 +233,21 @@ class Launcher:
 
     def _on_usr2(self, signum, frame) -> None:
         print("[launcher] time limit near (SIGUSR2): asking the trainer to checkpoint and stop", flush=True)
-        (self.run_dir / "STOP").touch()
+        self.files.request_stop()
 
     def _on_term(self, signum, frame) -> None:
         # scancel or preemption: Slurm signals the steps itself; the trainer checkpoints if
         # it can before the KillWait grace runs out.
         self.terminating = True
-        (self.run_dir / "STOP").touch()
+        self.files.request_stop()
 
     # ---- where the run is ---------------------------------------------------------------
     def _step(self) -> int:
-        stats = self.run_dir / "stats.jsonl"
-        if not stats.is_file():
-            return 0
-        lines = stats.read_text().splitlines()
-        return json.loads(lines[-1])["step"] if lines else 0
+        return self.files.last_step()
 
     def _checkpoint(self) -> str | None:
-        latest = self.run_dir / "checkpoints" / "latest"
-        return str(latest.parent / latest.read_text().strip()) if latest.is_file() else None
-
-    def _checkpoint_step(self) -> int:
-        path = self._checkpoint()
-        return int(Path(path).name.split("_")[-1]) if path else 0
+        path = self.files.latest_checkpoint()
+        return str(path) if path else None
 
 
 def _healthy(address: str) -> bool:
@@ -285,7 +264,7 @@ def _healthy(address: str) -> bool:
 def serve(config: str, overrides: list[str], index: int, host: str, rendezvous: Path) -> None:
     """One rollout server (an srun task): picks a port on this node, publishes it, execs."""
     from areal_mcore.config import load_config
-    from areal_mcore.rollout.launcher import free_port, server_command
+    from areal_mcore.rollout.launcher import server_command
 
     cfg = load_config(config, overrides)
     port = free_port(host)

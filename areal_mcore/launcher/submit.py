@@ -9,7 +9,6 @@ and waits for it, then submitit requeues the job, which resumes from that checkp
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from dataclasses import dataclass, field
 
@@ -29,13 +28,13 @@ class LaunchJob:
         os.chdir(self.cwd)
         self.launcher = Launcher(self.config, self.overrides, requeue_self=False)
         code = self.launcher.run()
-        run_dir = self.launcher.run_dir
-        status = json.loads((run_dir / "slurm" / "status.json").read_text())
+        run = self.launcher.files
+        status = run.read_status()
         if code != 0:
             raise RuntimeError(f"the run failed ({status.get('error', f'exit code {code}')}); "
-                               f"status {run_dir / 'slurm' / 'status.json'}")
-        rows = [json.loads(x) for x in (run_dir / "stats.jsonl").read_text().splitlines()]
-        return {"status": status, "last_step": rows[-1] if rows else None, "run_dir": str(run_dir)}
+                               f"status {run.slurm / 'status.json'}")
+        rows = run.stats_rows()
+        return {"status": status, "last_step": rows[-1] if rows else None, "run_dir": str(run.path)}
 
     def checkpoint(self, *args, **kwargs):
         """submitit's hook on USR2 (time limit) or preemption: the trainer checkpoints and

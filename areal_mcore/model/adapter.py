@@ -153,12 +153,18 @@ def stage_entries(args: ModelArgs, pp_rank: int, pp_size: int, *, tied_copy: boo
         yield PARAMS[0], "output_layer.weight", PARAMS[0].hf
 
 
+class WeightMismatchError(ValueError):
+    """A checkpoint's weights do not fit the model: a user error (the wrong folder, or
+    another architecture or size than its config.json says), not a bug."""
+
+
 def from_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, *, tp_rank: int, tp_size: int,
             pp_rank: int, pp_size: int, padded_vocab: int) -> dict[str, torch.Tensor]:
     """The megatron state dict of one (TP rank, PP stage) from a full HF state dict."""
     missing = [h for _, _, hf in stage_entries(args, pp_rank, pp_size) for h in hf if h not in state_dict]
     if missing:
-        raise KeyError(f"HF checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+        raise WeightMismatchError(f"HF checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}: is it the "
+                                  f"model its config.json describes (same architecture, layers and size)?")
     out = {}
     for p, name, hf_names in stage_entries(args, pp_rank, pp_size):
         shard, _ = _KINDS[p.kind]
@@ -192,5 +198,6 @@ def check_hf_names(names, args: ModelArgs, where: str) -> None:
     expected, present = set(hf_names(args)), set(names)
     missing, extra = sorted(expected - present), sorted(present - expected)
     if missing or extra:
-        raise KeyError(f"{where}: {len(missing)} missing weights {missing[:10]}, "
-                       f"{len(extra)} unexpected weights {extra[:10]}")
+        raise WeightMismatchError(f"{where}: {len(missing)} missing weights {missing[:10]}, "
+                                  f"{len(extra)} unexpected weights {extra[:10]}; the weights do not match its "
+                                  f"config.json (another architecture or size?): pass a complete HF model folder")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from areal_mcore.checks import check_positive
+
 # Usable device memory as the CUDA runtime reports it (torch.cuda.get_device_properties).
 GPUS_GB = {"h100": 79.6, "h200": 139.8, "a100": 79.3, "a100-40gb": 39.4}
 
@@ -23,5 +25,5 @@ class PlanConfig:
     architecture: str | None = None
 
     def __post_init__(self):
-        if self.gpu_memory_gb <= 0 or self.margin_gb < 0:
-            raise ValueError("gpu_memory_gb must be > 0 and margin_gb >= 0")
+        check_positive("gpu_memory_gb", self.gpu_memory_gb)
+        check_positive("margin_gb", self.margin_gb, allow_zero=True)

@@ -69,14 +69,16 @@ def trainer_shape(cfg, gpu_bytes: float) -> TrainerShape:
 
 
 def server_shape(cfg, gpu_bytes: float) -> ServerShape | None:
-    if cfg.rollout is None or cfg.server is None or cfg.server.backend != "sglang":
+    if cfg.rollout is None or cfg.server is None or cfg.server.backend == "embedded":
         return None  # the embedded server runs on CPU: no GPU memory to plan
+    # vLLM's --gpu-memory-utilization (rollout/engines/vllm.py passes mem_fraction_static) is,
+    # like SGLang's, the share of the GPU for weights + KV cache: one model for both.
     r, s = cfg.rollout, cfg.server
     prompt = cfg.trainer.max_prompt_tokens if cfg.trainer else 0
     # The Slurm launcher starts launch.allocation's rollout side (d servers of TP t) and
     # overrides server.tp_size with it; elsewhere server.n_servers / tp_size hold.
     side = parse_allocation(cfg.launch.allocation).rollout
-    n, tp = (side.d, side.t) if side is not None and side.backend == "sglang" else (s.n_servers, s.tp_size)
+    n, tp = (side.d, side.t) if side is not None and side.backend != "embedded" else (s.n_servers, s.tp_size)
     return ServerShape(tp=tp, n_servers=n, mem_fraction_static=s.mem_fraction_static,
                        gpu_bytes=gpu_bytes, sequence_tokens=min(s.context_length, prompt + r.max_new_tokens),
                        concurrent_sequences=r.max_concurrent_rollouts * r.n_samples,

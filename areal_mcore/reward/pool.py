@@ -18,6 +18,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from areal_mcore.checks import check_positive
+
 
 @dataclass(kw_only=True)
 class RewardPoolConfig:
@@ -29,8 +31,7 @@ class RewardPoolConfig:
 
     def __post_init__(self):
         for key in ("num_workers", "timeout_s", "memory_mb", "cpu_s", "max_items_per_worker"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"{key}={getattr(self, key)} must be > 0")
+            check_positive(key, getattr(self, key))
 
 
 class _Worker:

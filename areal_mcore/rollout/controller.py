@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
+from areal_mcore.checks import check_positive
 from areal_mcore.data.prompts import Prompt
 from areal_mcore.rollout.client import Completion, RolloutClient
 from areal_mcore.rollout.protocol import SamplingParams
@@ -44,12 +45,10 @@ class RolloutConfig:
     seed: int = 1
 
     def __post_init__(self):
-        if self.n_samples < 1 or self.max_concurrent_rollouts < 1:
-            raise ValueError("rollout.n_samples and rollout.max_concurrent_rollouts must be >= 1")
-        if self.max_head_offpolicyness < 0:
-            raise ValueError("rollout.max_head_offpolicyness must be >= 0")
-        if self.min_new_tokens < 0:
-            raise ValueError("rollout.min_new_tokens must be >= 0")
+        check_positive("n_samples", self.n_samples)
+        check_positive("max_concurrent_rollouts", self.max_concurrent_rollouts)
+        check_positive("max_head_offpolicyness", self.max_head_offpolicyness, allow_zero=True)
+        check_positive("min_new_tokens", self.min_new_tokens, allow_zero=True)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from areal_mcore.checks import check_choice, check_positive, field_error
+from areal_mcore.net import free_port
 from areal_mcore.rollout.engines import BACKENDS, engine_for
 
 TRANSFER_BACKENDS = ("auto", "areal_gloo", "nccl")
@@ -37,7 +38,7 @@ class ServerConfig:
     api_key: str | None = None
     max_running_requests: int = 64
     skip_tokenizer_init: bool = True
-    log_dir: str = "logs/rollout"
+    log_dir: str | None = None  # None: the launching tool's default (the trainer's: <run>/servers)
     startup_timeout_s: float = 600.0
     extra_args: list[str] = field(default_factory=list)
     # Servers already running (host:port); when set, nothing is launched.
@@ -52,29 +53,19 @@ class ServerConfig:
     enforce_eager: bool = False
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"rollout.server.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.n_servers < 1 or self.tp_size < 1:
-            raise ValueError("rollout.server.n_servers and tp_size must be >= 1")
+        check_choice("backend", self.backend, BACKENDS)
+        check_positive("n_servers", self.n_servers)
+        check_positive("tp_size", self.tp_size)
         if not 0 < self.mem_fraction_static <= 1:
-            raise ValueError(f"rollout.server.mem_fraction_static must be in (0, 1], "
-                             f"got {self.mem_fraction_static}")
-        if self.weight_transfer_backend not in TRANSFER_BACKENDS:
-            raise ValueError(f"rollout.server.weight_transfer_backend must be one of "
-                             f"{TRANSFER_BACKENDS}, got {self.weight_transfer_backend!r}")
+            raise field_error("mem_fraction_static", self.mem_fraction_static, "must be in (0, 1]")
+        check_choice("weight_transfer_backend", self.weight_transfer_backend, TRANSFER_BACKENDS)
         if self.backend == "embedded" and self.tp_size != 1:
-            raise ValueError("the embedded server runs one process per server: tp_size must be 1")
+            raise field_error("tp_size", self.tp_size, "must be 1 with backend=embedded (one process per server)")
 
 
 def server_command(cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
     """The command line of one server."""
     return engine_for(cfg.backend).command(cfg, port=port, seed=seed)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -146,8 +137,11 @@ class ServerProcess:
             pass
 
 
-def launch_servers(cfg: ServerConfig, *, env: dict | None = None) -> list[ServerProcess]:
-    """Starts ``cfg.n_servers`` servers and waits until each answers ``/health``."""
+def launch_servers(cfg: ServerConfig, *, default_log_dir: str | None = None,
+                   env: dict | None = None) -> list[ServerProcess]:
+    """Starts ``cfg.n_servers`` servers and waits until each answers ``/health``; they log
+    under ``cfg.log_dir``, else ``default_log_dir`` (the caller's output), else logs/rollout."""
+    log_dir = cfg.log_dir or default_log_dir or "logs/rollout"
     servers: list[ServerProcess] = []
     env = engine_for(cfg.backend).env(cfg, dict(os.environ) if env is None else env)
     try:
@@ -155,7 +149,7 @@ def launch_servers(cfg: ServerConfig, *, env: dict | None = None) -> list[Server
             port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
             servers.append(ServerProcess(
                 server_command(cfg, port=port, seed=cfg.seed + i), host=cfg.host, port=port,
-                log_path=os.path.join(cfg.log_dir, f"server{i}.log"), env=env))
+                log_path=os.path.join(log_dir, f"server{i}.log"), env=env))
         for s in servers:
             s.wait_healthy(cfg.startup_timeout_s)
     except BaseException:

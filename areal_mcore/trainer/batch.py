@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mcore.algo import gae_packed, normalize, transform_reward
-from areal_mcore.config import PPOConfig
+from areal_mcore.algo.config import PPOConfig
 from areal_mcore.packing import PackedBatch, pack
 from areal_mcore.trainer.dispatch import RolloutShard
 

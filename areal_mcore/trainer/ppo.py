@@ -1,8 +1,9 @@
 """The boba RL loop: rollout -> rewards -> advantages -> train -> weight sync.
 
 Every rank runs ``train(cfg)`` (torchrun or the tests' gloo spawner). Global rank 0 owns
-the rollout side (servers, client, controller, reward pool) and hands each data-parallel
-replica its share of the prompt groups; all ranks train and take part in weight sync.
+the rollout side (``trainer/rollout_side.py``: servers, client, controller, reward pool)
+and hands each data-parallel replica its share of the prompt groups; all ranks train and
+take part in weight sync.
 A run stops early, with a checkpoint, when ``<run>/STOP`` appears or a rank gets SIGUSR2 or
 SIGTERM (Slurm's time-limit warning, preemption, scancel); the Slurm launcher requeues it.
 ``trainer.mode=sync`` samples each batch with the weights it trains; ``async`` keeps
@@ -12,23 +13,30 @@ most ``rollout.max_head_offpolicyness`` versions old and the decoupled loss corr
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import signal
 import threading
 import time
 from functools import partial
-from pathlib import Path
 
 import torch.distributed as dist
+from transformers import AutoConfig, AutoTokenizer
 
 from areal_mcore import collectives
+from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
+from areal_mcore.actor.megatron_actor import MegatronActor
 from areal_mcore.algo import loglinear_proximal_logprobs, ppo_actor_loss, reduce_ppo_stats
-from areal_mcore.config import ExperimentConfig, PPOConfig
+from areal_mcore.algo.config import PPOConfig
+from areal_mcore.config import ExperimentConfig
+from areal_mcore.convert.hf_files import load_hf_state_dict
+from areal_mcore.convert.save_hf import save_hf
+from areal_mcore.run_dir import RunDir
 from areal_mcore.trainer import stats as S
 from areal_mcore.trainer.batch import to_train_batch
-from areal_mcore.trainer.checkpoint import CheckpointConfig, Checkpointer
-from areal_mcore.trainer.dispatch import Dispatcher, SamplePacker
+from areal_mcore.trainer.dispatch import Dispatcher
+from areal_mcore.trainer.event_loop import LoopThread
+from areal_mcore.trainer.rollout_side import RolloutSide
+from areal_mcore.weight_sync.syncer import WeightSyncer
 
 
 def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens):
@@ -85,7 +93,8 @@ def train(cfg: ExperimentConfig) -> list[dict]:
 
 
 class PPORun:
-    """The loop's collaborators, built from the config; one per rank."""
+    """The loop's collaborators, built from the config; one per rank. ``rollout_side`` is
+    rank 0's (``trainer/rollout_side.py``), None on the other ranks."""
 
     def __init__(self, cfg: ExperimentConfig):
         for section in ("model_path", "dataset", "rollout", "server", "trainer"):
@@ -93,15 +102,11 @@ class PPORun:
                 raise ValueError(f"training needs the config section/key {section!r}")
         self.cfg = cfg
         self.rank = dist.get_rank()
-        self.servers, self.pool, self.client, self.controller, self.syncer = [], None, None, None, None
-        self.packer = None  # rank 0's SamplePacker
-        self.logger, self.phases, self.hf_dir = None, None, None
-        self.run_dir = Path(cfg.trainer.log_dir) / cfg.experiment_name
-        # The loop lives on its own thread so that async rollouts go on while this thread
-        # trains; sync mode simply waits on it.
-        self.loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="ppo-asyncio", daemon=True)
-        self._loop_thread.start()
+        self.rollout_side: RolloutSide | None = None
+        self.syncer, self.logger, self.phases, self.hf_dir = None, None, None, None
+        self.files = RunDir.of(cfg.trainer.log_dir, cfg.experiment_name)
+        self.run_dir = self.files.path
+        self.loop = LoopThread()
         self.history: list[dict] = []
         self._signalled, self._old_handlers = False, {}
         if threading.current_thread() is threading.main_thread():
@@ -114,112 +119,63 @@ class PPORun:
             raise
 
     def _setup(self) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
-        from areal_mcore.actor import MegatronActor
-        from areal_mcore.convert.hf_files import load_hf_state_dict
-        from areal_mcore.weight_sync.syncer import WeightSyncer
-
         cfg = self.cfg
         self.actor = MegatronActor(cfg.actor, AutoConfig.from_pretrained(cfg.model_path), seed=cfg.seed,
                                    total_optimizer_steps=cfg.trainer.total_steps * cfg.ppo.ppo_n_minibatches)
         self.actor.load_hf_state_dict(load_hf_state_dict(cfg.model_path))
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)
-        addresses = None
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            addresses = self._start_rollout()
+            self.rollout_side = RolloutSide(cfg, tokenizer, self.files, self.loop)
+        addresses = self.rollout_side.addresses if self.rollout_side is not None else None
         addresses = collectives.broadcast_object(addresses, 0, dist.group.WORLD)
         g = self.actor.groups
         self.dispatcher = Dispatcher(dp_rank=g.dp_rank, dp_size=g.dp_size, mp_group=g.mp, world=dist.group.WORLD)
         self.syncer = WeightSyncer(cfg.weight_sync, self.actor, addresses, api_key=cfg.server.api_key,
                                    backend=cfg.server.backend)
-        self._run(self.syncer.connect())
-        self.checkpointer = Checkpointer(CheckpointConfig(root=str(self.run_dir / "checkpoints")),
-                                         group=dist.group.WORLD)
+        self.loop.run(self.syncer.connect())
+        self.checkpointer = Checkpointer(CheckpointConfig(root=str(self.files.checkpoints)), group=dist.group.WORLD)
         resumed = self.checkpointer.load(self.actor)
         self.start_step = resumed.step if resumed else 0
+        state = resumed.extra if resumed and self.rank == 0 else {}
         if resumed and self.rank == 0:
-            self.sampler.load_state_dict(resumed.extra["sampler"])
-            self.controller.load_state_dict(resumed.extra["controller"])
+            self.load_state_dict(state)
             print(f"[ppo] resumed from {resumed.path} at step {self.start_step}", flush=True)
         t = cfg.trainer
         self.logger = S.RunLogger(t, self.run_dir, enabled=self.rank == 0, start_step=self.start_step,
-                                  experiment=dataclasses.asdict(cfg),
-                                  wandb_run_id=resumed.extra.get("wandb_run_id") if resumed and self.rank == 0
-                                  else None)
+                                  experiment=dataclasses.asdict(cfg), wandb_run_id=state.get("wandb_run_id"))
         self.phases = S.Phases(self.run_dir / "trace.json" if t.trace and self.rank == 0 else None)
         # Servers may hold anything (another run's weights, a base model): serve the actor's.
         self.sync(version=self.start_step)
         if t.mode == "async" and self.rank == 0:
-            self._on_loop(self.controller.start, self._prompt_stream(), t.batch_size)
+            self.rollout_side.start_sampling()
         self._last_row_t = time.perf_counter()
 
-    # ---- the asyncio thread --------------------------------------------------------------
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+    # ---- resumable state (rank 0; the actor's own is the checkpointer's) ------------------
+    def state_dict(self) -> dict | None:
+        """What a resumed run needs beyond the actor: the prompt order and the controller's
+        state, and the W&B run it continues. None on the ranks without a rollout side."""
+        if self.rollout_side is None:
+            return None
+        state = self.rollout_side.state_dict()
+        if self.logger.wandb is not None:  # a resumed run continues the same W&B run
+            state["wandb_run_id"] = self.logger.wandb.run_id
+        return state
 
-    def _on_loop(self, fn, *args):
-        """Calls ``fn`` on the loop's thread: the controller is not thread-safe."""
-        async def call():
-            return fn(*args)
-        return self._run(call())
-
-    def _prompt_stream(self):
-        while True:
-            yield from (self.prompts[i] for i in self.sampler.next_batch())
-
-    # ---- setup -------------------------------------------------------------------------
-    def _start_rollout(self) -> list[str]:
-        from areal_mcore.data.prompts import prompts_for
-        from areal_mcore.data.sampler import EpochSampler
-        from areal_mcore.reward.pool import RewardPool
-        from areal_mcore.rollout.client import ClientConfig, RolloutClient
-        from areal_mcore.rollout.controller import RolloutController
-        from areal_mcore.rollout.launcher import launch_servers
-
-        cfg = self.cfg
-        train_set = prompts_for(cfg.dataset, self.tokenizer, max_prompt_tokens=cfg.trainer.max_prompt_tokens)
-        self.prompts, dropped = train_set.prompts, train_set.dropped_long
-        print(f"[ppo] {len(self.prompts)} prompts ({dropped} longer than "
-              f"{cfg.trainer.max_prompt_tokens} tokens dropped)", flush=True)
-        self.sampler = EpochSampler(len(self.prompts), cfg.trainer.batch_size, cfg.seed)
-        addresses = list(cfg.server.addresses)
-        if not addresses:
-            server_cfg = cfg.server
-            if server_cfg.log_dir == "logs/rollout":  # the default: keep server logs with the run
-                server_cfg = dataclasses.replace(server_cfg, log_dir=str(self.run_dir / "servers"))
-            self.servers = launch_servers(server_cfg)
-            addresses = [s.address for s in self.servers]
-        self.pool = RewardPool(cfg.reward)
-        self.client = RolloutClient(ClientConfig(addresses=addresses, api_key=cfg.server.api_key,
-                                                 backend=cfg.server.backend))
-        self._run(self.client.start())
-        self.decode = partial(self.tokenizer.decode, skip_special_tokens=True)
-        self.controller = RolloutController(cfg.rollout, self.client, self.pool.ascore, self.decode)
-        self.packer = SamplePacker()  # each group becomes arrays as it arrives (dispatch concatenates)
-        self.controller.on_group = self.packer
-        self.eval_prompts = []
-        if cfg.eval_dataset is not None and cfg.trainer.eval_freq:
-            # The prompts `areal-mcore eval --config` builds for the same file (one function).
-            self.eval_prompts = prompts_for(cfg.eval_dataset, self.tokenizer,
-                                            max_prompt_tokens=cfg.trainer.max_prompt_tokens).prompts
-        return addresses
+    def load_state_dict(self, state: dict) -> None:
+        self.rollout_side.load_state_dict(state)  # wandb_run_id is read when the logger starts
 
     # ---- the step's parts --------------------------------------------------------------
     def rollout(self, step: int):
         """Rank 0 samples (sync) or collects (async) the batch; every rank returns its
         data-parallel replica's share as a ``RolloutShard`` (trainer/dispatch.py)."""
-        samples, stats = None, None
-        if self.rank == 0:
-            if self.cfg.trainer.mode == "async":
-                out = self._run(self.controller.prepare_batch(self.cfg.trainer.batch_size))
-            else:
-                batch = [self.prompts[i] for i in self.sampler.next_batch()]
-                out = self._run(self.controller.rollout_batch(batch))
-            self.logger.dump_rollouts(step + 1, out.samples, self.decode)
+        samples, stats, side = None, None, self.rollout_side
+        if side is not None:
+            out = side.rollout()
+            self.logger.dump_rollouts(step + 1, out.samples, side.decode)
             samples, stats = out.samples, out.stats
-        shard, moved = self.dispatcher.dispatch(samples, self.cfg.rollout.n_samples, self.packer)
+        packer = side.packer if side is not None else None
+        shard, moved = self.dispatcher.dispatch(samples, self.cfg.rollout.n_samples, packer)
         stats = collectives.broadcast_object(stats, 0, dist.group.WORLD)  # a few scalars
         if self.rank == 0:
             stats = {**stats, "dispatch/bytes": float(moved.bytes_sent),
@@ -227,41 +183,31 @@ class PPORun:
         return shard, stats
 
     def sync(self, version: int) -> dict:
-        stats = self._run(self.syncer.push(version))
+        stats = self.loop.run(self.syncer.push(version))
         out = {"sync/time_s": stats.total_s, "sync/bytes": float(stats.bytes)}
-        if self.rank == 0:
-            self._on_loop(self.controller.set_version, version)
-            out["sync/server_versions"] = self._run(self.client.weight_versions())
+        if self.rollout_side is not None:
+            out["sync/server_versions"] = self.rollout_side.set_version(version)
         return out
 
     def evaluate(self, step: int) -> None:
         """Accuracy on the held-out problems (rank 0; every ``trainer.eval_freq`` steps,
         before the first and after the last)."""
         freq, last = self.cfg.trainer.eval_freq, step == self.cfg.trainer.total_steps
-        if self.rank != 0 or not self.eval_prompts or not (step % freq == 0 or last):
+        if self.rollout_side is None or not freq or not (step % freq == 0 or last):
             return
-        from areal_mcore.rollout.controller import RolloutController
-
-        t = time.perf_counter()
-        # A fresh controller each time, with its own seed: evaluating never changes what
-        # training samples, every eval draws the same seeds (its curve moves with the
-        # weights only), and `areal-mcore eval` with the run's config draws them too.
-        evaluator = RolloutController(dataclasses.replace(self.cfg.rollout, seed=self.cfg.rollout.seed + 1),
-                                      self.client, self.pool.ascore, self.decode)
-        out = self._run(evaluator.rollout_batch(self.eval_prompts))
-        row = {"step": step, "eval/accuracy": out.stats["rollout/accuracy"],
-               "eval/n_samples": out.stats["rollout/n_samples"], "eval/time_s": time.perf_counter() - t}
+        row = self.rollout_side.evaluate()
+        if row is None:  # no eval_dataset
+            return
+        row = {"step": step, **row}
         self.logger.eval(row)
         self.logger.print(f"[eval] step {step}: accuracy {row['eval/accuracy']:.3f} over "
-                           f"{len(self.eval_prompts)} held-out problems x {self.cfg.rollout.n_samples} samples")
+                           f"{len(self.rollout_side.eval_prompts)} held-out problems x "
+                           f"{self.cfg.rollout.n_samples} samples")
 
     def stop_requested(self) -> bool:
         """Whether any rank was signalled or rank 0 sees ``<run>/STOP`` (removed once seen,
         so the requeued run goes on)."""
-        flag = self._signalled
-        if self.rank == 0 and (self.run_dir / "STOP").exists():
-            (self.run_dir / "STOP").unlink()
-            flag = True
+        flag = self._signalled or (self.rank == 0 and self.files.take_stop())
         flags = collectives.all_gather_object(flag, dist.group.WORLD)
         if any(flags) and self.rank == 0:
             self.logger.print("[ppo] stop requested: checkpointing and exiting (resume continues from here)")
@@ -275,16 +221,9 @@ class PPORun:
         export every ``trainer.export_freq``; both after the last step."""
         t, last = self.cfg.trainer, step == self.cfg.trainer.total_steps
         if force or (t.save_freq and (step % t.save_freq == 0 or last)):
-            extra = None
-            if self.rank == 0:
-                extra = {"sampler": self._on_loop(self.sampler.state_dict),
-                         "controller": self._on_loop(self.controller.state_dict)}
-                if self.logger.wandb is not None:  # a resumed run continues the same W&B run
-                    extra["wandb_run_id"] = self.logger.wandb.run_id
-            self.checkpointer.save(self.actor, step=step, weight_version=step, extra=extra)
+            self.checkpointer.save(self.actor, step=step, weight_version=step, extra=self.state_dict(),
+                                   config_snapshot=dataclasses.asdict(self.cfg))  # the resolved config
         if last or (t.export_freq and step % t.export_freq == 0):
-            from areal_mcore.convert.save_hf import save_hf
-
             self.hf_dir = self.run_dir / "hf" / f"step_{step}"
             save_hf(self.actor, self.hf_dir, tokenizer_dir=self.cfg.tokenizer_path or self.cfg.model_path)
 
@@ -318,18 +257,11 @@ class PPORun:
         self.logger.step(row)
 
     def close(self, barrier: bool = True) -> None:
-        if self.controller is not None:
-            self._run(self.controller.stop())
+        # The syncer first: its update groups are torn down on servers that are still up.
         if self.syncer is not None:
-            self._run(self.syncer.close())
-        if self.client is not None:
-            self._run(self.client.close())
-        if self.pool is not None:
-            self.pool.close()
-        for s in self.servers:
-            s.stop()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._loop_thread.join()
+            self.loop.run(self.syncer.close())
+        if self.rollout_side is not None:
+            self.rollout_side.close()
         self.loop.close()
         if self.phases is not None:
             self.phases.close()
@@ -340,6 +272,6 @@ class PPORun:
             return
         collectives.barrier(dist.group.WORLD)
         if plot is not None:
-            print(f"[ppo] stats: {self.run_dir / 'stats.jsonl'}\n"
+            print(f"[ppo] stats: {self.files.stats}\n"
                   f"[ppo] tensorboard: tensorboard --logdir {self.run_dir / 'tensorboard'}\n"
                   f"[ppo] curves: {plot}\n[ppo] HF model: {self.hf_dir or 'not exported'}", flush=True)

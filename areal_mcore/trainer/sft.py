@@ -81,7 +81,7 @@ def run_sft(cfg) -> list[float]:
     """``areal-mcore sft``: cfg.sft.base_model -> cfg.sft.output_dir (every rank calls)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from areal_mcore.actor import MegatronActor
+    from areal_mcore.actor.megatron_actor import MegatronActor
     from areal_mcore.convert.hf_files import load_hf_state_dict
     from areal_mcore.convert.save_hf import save_hf
     from areal_mcore.data.jsonl import load_problems

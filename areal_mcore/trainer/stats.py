@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from areal_mcore.config import TrainerConfig
+from areal_mcore.run_dir import RunDir, read_jsonl
+from areal_mcore.trainer.config import TrainerConfig
 
 
 class Phases:
@@ -132,7 +133,7 @@ class RunLogger:
             self.wandb = WandbLogger(cfg.wandb, run_dir, experiment_name=run_dir.name, config=experiment or {},
                                      run_id=wandb_run_id, start_step=start_step)
         if start_step:  # a resumed run redoes what a killed one logged after its checkpoint
-            _keep_rows(run_dir / "stats.jsonl", lambda step: step <= start_step)
+            _keep_rows(RunDir(run_dir).stats, lambda step: step <= start_step)
             _keep_rows(run_dir / "eval.jsonl", lambda step: step < start_step)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -148,8 +149,7 @@ class RunLogger:
     def step(self, row: dict) -> None:
         if not self.enabled:
             return
-        with open(self.run_dir / "stats.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        RunDir(self.run_dir).append_stats(row)
         self._scalars(row)
         r = row
         line = (f"[ppo] step {r['step']}/{self.cfg.total_steps} reward {r['rollout/reward_mean']:.3f} "
@@ -218,14 +218,10 @@ def _keep_rows(path: Path, keep) -> None:
         path.write_text("".join(line + "\n" for line in rows if keep(json.loads(line)["step"])))
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 def plot_curves(run_dir: Path) -> Path | None:
     """``curves.png``: per-step training reward and accuracy, and held-out accuracy."""
-    rows = _read_jsonl(run_dir / "stats.jsonl")
-    evals = _read_jsonl(run_dir / "eval.jsonl")
+    rows = RunDir(run_dir).stats_rows()
+    evals = read_jsonl(run_dir / "eval.jsonl")
     if not rows and not evals:
         return None
     import matplotlib

@@ -17,6 +17,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_mcore.checks import FieldError, check_choice, field_error
+
 WANDB_MODES = ("disabled", "offline", "online")
 NEEDS_WANDB = ("needs the wandb package, which is optional: pip install 'areal-mcore[wandb]' "
                "(or set trainer.wandb.mode=disabled)")
@@ -31,12 +33,11 @@ class WandbConfig:
     tags: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.mode not in WANDB_MODES:
-            raise ValueError(f"mode={self.mode!r} is not allowed; choose one of {list(WANDB_MODES)}")
+        check_choice("mode", self.mode, WANDB_MODES)
         if not self.project:
-            raise ValueError("project must be a non-empty W&B project name")
+            raise field_error("project", self.project, "must be a non-empty W&B project name")
         if self.enabled and importlib.util.find_spec("wandb") is None:  # at load, before any rank starts
-            raise ValueError(f"mode={self.mode} {NEEDS_WANDB}")
+            raise FieldError("mode", f"={self.mode} {NEEDS_WANDB}")
 
     @property
     def enabled(self) -> bool:

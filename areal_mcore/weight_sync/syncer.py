@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 import torch
 
 from areal_mcore import collectives
+from areal_mcore.checks import check_choice, check_positive, field_error
 from areal_mcore.model import adapter
+from areal_mcore.net import free_port
 from areal_mcore.rollout.client import ClientConfig, RolloutClient, RolloutError
-from areal_mcore.rollout.launcher import free_port
 from areal_mcore.rollout.protocol import PAUSE_MODES
 from areal_mcore.rollout.weights import ReusableBuffer
 from areal_mcore.weight_sync.group import routable_address
@@ -68,19 +69,13 @@ class WeightSyncConfig:
     timeout_s: float = 600.0
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"weight_sync.mode must be one of {MODES}, got {self.mode!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"weight_sync.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.backend not in ("auto", "nccl", "gloo"):
-            raise ValueError(f"weight_sync.backend must be auto, nccl or gloo, got {self.backend!r}")
-        if self.bucket_mb <= 0:
-            raise ValueError(f"weight_sync.bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.pause_mode not in PAUSE_MODES:
-            raise ValueError(f"weight_sync.pause_mode must be one of {list(PAUSE_MODES)}, "
-                             f"got {self.pause_mode!r}")
+        check_choice("mode", self.mode, MODES)
+        check_choice("dtype", self.dtype, tuple(sorted(DTYPES)))
+        check_choice("backend", self.backend, ("auto", "nccl", "gloo"))
+        check_positive("bucket_mb", self.bucket_mb)
+        check_choice("pause_mode", self.pause_mode, PAUSE_MODES)
         if self.mode == "disk" and not self.disk_dir:
-            raise ValueError("weight_sync.mode=disk needs weight_sync.disk_dir (a shared filesystem path)")
+            raise field_error("disk_dir", self.disk_dir, "is needed with mode=disk (a shared filesystem path)")
 
 
 class WeightSyncError(RuntimeError):

@@ -35,9 +35,16 @@ from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from areal_mcore import collectives
-from areal_mcore.actor import MegatronActor
+from areal_mcore.actor.megatron_actor import MegatronActor
 from areal_mcore.model import mcore_compat
 from areal_mcore.model.args import ModelArgs, args_mismatch
+from areal_mcore.run_dir import (
+    LATEST,
+    checkpoint_name,
+    latest_checkpoint,
+    point_latest_at,
+    write_atomic,
+)
 
 FORMAT = "areal-mcore-ckpt-v1"
 
@@ -77,7 +84,7 @@ class Checkpointer:
              config_snapshot: dict | None = None) -> Path:
         """Writes checkpoint ``step``; returns its folder once it is complete everywhere."""
         rank = dist.get_rank()
-        name = f"step_{step:08d}"
+        name = checkpoint_name(step)
         tmp = self.root / f".{name}.tmp"
         if rank == 0:
             for stale in self.root.glob(".step_*.tmp"):  # left by a crashed save
@@ -102,7 +109,7 @@ class Checkpointer:
                 "hf_config": actor.hf_config.to_dict(),
                 "config": config_snapshot or {},
             }
-            _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
+            write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
         collectives.barrier(self.group)
         final = self.root / name
         if rank == 0:
@@ -110,7 +117,7 @@ class Checkpointer:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _write_text(self.root / "latest", name)
+            point_latest_at(self.root, name)
             _fsync_dir(self.root)
             self._prune(keep=final)
         collectives.barrier(self.group)
@@ -125,12 +132,10 @@ class Checkpointer:
     # ------------------------------------------------------------------ load
 
     def latest(self) -> Path | None:
-        pointer = self.root / "latest"
-        if not pointer.exists():
-            return None
-        path = self.root / pointer.read_text().strip()
-        if not (path / "manifest.json").exists():
-            raise FileNotFoundError(f"{pointer} names {path.name}, which is missing or incomplete")
+        path = latest_checkpoint(self.root)
+        if path is not None and not (path / "manifest.json").exists():
+            raise FileNotFoundError(f"{self.root / LATEST} names {path.name}, which is missing or incomplete: "
+                                    f"point it at a complete step_* folder there, or remove it to start afresh")
         return path
 
     def load(self, actor: MegatronActor, path: Path | None = None) -> ResumeState | None:
@@ -205,16 +210,6 @@ def _save_file(obj, path: Path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Atomic replace: write a sibling, fsync, rename over."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,0 +1,99 @@
+"""The boba PPO algorithm's config: reward shaping, normalisation, advantages, the loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from areal_mcore.algo.normalize import LEVELS as NORM_LEVELS
+from areal_mcore.checks import (
+    FieldError,
+    check_choice,
+    check_positive,
+    check_unit_interval,
+    field_error,
+)
+from areal_mcore.kernels import KERNEL_CHOICES as KERNELS
+
+
+@dataclass(kw_only=True)
+class NormConfig:
+    """Mean/std normalisation of rewards or advantages (``algo.normalize``)."""
+
+    mean_level: str = "batch"
+    std_level: str = "batch"
+    # Samples per prompt; 'group' levels normalise over contiguous runs of this size.
+    # null: rollout.n_samples (ExperimentConfig fills it in and refuses a mismatch).
+    group_size: int | None = None
+    unbiased_std: bool = False
+    eps: float = 1e-5
+
+    def __post_init__(self):
+        check_choice("mean_level", self.mean_level, NORM_LEVELS)
+        check_choice("std_level", self.std_level, NORM_LEVELS)
+        if self.group_size is not None:
+            check_positive("group_size", self.group_size)
+        check_positive("eps", self.eps, allow_zero=True)
+
+    @property
+    def uses_groups(self) -> bool:
+        return "group" in (self.mean_level, self.std_level)
+
+
+PROX_LOGP_METHODS = ("recompute", "loglinear")
+
+
+@dataclass(kw_only=True)
+class PPOConfig:
+    """The boba PPO algorithm: reward shaping, advantages and the clipped actor loss."""
+
+    ppo_n_minibatches: int = 1
+    eps_clip: float = 0.2
+    # Asymmetric upper clip (DAPO "clip-higher"); None means eps_clip.
+    eps_clip_high: float | None = None
+    # Dual clip for negative advantages (Ye et al. 2020); None disables; must be > 1.
+    c_clip: float | None = None
+    use_decoupled_loss: bool = False
+    # Tokens whose behaviour weight exp(prox - behave) exceeds this (or is not finite)
+    # are dropped from the loss and counted (train/behav_dropped_ratio).
+    behav_imp_weight_cap: float | None = None
+    # recompute: a forward pass before training; loglinear: AReaL's interpolation between
+    # the behaviour and current logprobs (needs use_decoupled_loss: it *is* the proximal
+    # of the decoupled loss, and without it nothing corrects for the behaviour policy).
+    prox_logp_method: str = "recompute"
+    discount: float = 1.0
+    gae_lambda: float = 1.0
+    reward_bias: float = 0.0
+    reward_scaling: float = 1.0
+    reward_clip: float = 20.0
+    reward_norm: NormConfig | None = None
+    adv_norm: NormConfig | None = None
+    # GAE (kernels/gae.py): "auto" is Triton on GPU with triton installed, torch otherwise.
+    gae_kernel: str = "auto"
+
+    def __post_init__(self):
+        check_positive("ppo_n_minibatches", self.ppo_n_minibatches)
+        check_positive("eps_clip", self.eps_clip)
+        if self.eps_clip_high is not None:
+            check_positive("eps_clip_high", self.eps_clip_high)
+        if self.c_clip is not None and self.c_clip <= 1.0:
+            raise field_error("c_clip", self.c_clip, "must be > 1 (or null to disable)")
+        if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1.0:
+            raise field_error("behav_imp_weight_cap", self.behav_imp_weight_cap, "must be > 1 (or null)")
+        check_choice("prox_logp_method", self.prox_logp_method, PROX_LOGP_METHODS)
+        if self.prox_logp_method == "loglinear" and not self.use_decoupled_loss:
+            raise FieldError(
+                "prox_logp_method", "='loglinear' needs use_decoupled_loss=true: the interpolated "
+                "proximal policy stands in for the recomputed one of the decoupled loss; without "
+                "the behaviour weight the loss trains against an interpolation with no correction "
+                "for the policy that sampled the tokens (use prox_logp_method=recompute)"
+            )
+        if self.adv_norm is not None and self.adv_norm.uses_groups:
+            key = "mean_level" if self.adv_norm.mean_level == "group" else "std_level"
+            raise FieldError(
+                f"adv_norm.{key}", "='group' is not supported: advantages are per token; normalise "
+                "rewards per group with reward_norm and advantages with 'batch' or 'none'"
+            )
+        check_choice("gae_kernel", self.gae_kernel, KERNELS)
+        for key in ("discount", "gae_lambda"):
+            check_unit_interval(key, getattr(self, key))
+        check_positive("reward_clip", self.reward_clip)

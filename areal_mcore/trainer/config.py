@@ -1,0 +1,59 @@
+"""The trainers' configs: the RL loop's schedule (``trainer``) and the SFT warm-up (``sft``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal_mcore.checks import check_choice, check_positive, field_error
+from areal_mcore.trainer.wandb_log import WandbConfig
+
+TRAINER_MODES = ("sync", "async")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The RL loop's schedule."""
+
+    total_steps: int
+    batch_size: int  # prompts per step (each sampled rollout.n_samples times)
+    save_freq: int = 0  # steps between checkpoints; 0: never
+    eval_freq: int = 0  # steps between evaluations on eval_dataset (and before step 1); 0: never
+    log_dir: str = "runs"  # the run writes under log_dir/experiment_name
+    max_prompt_tokens: int = 1024  # longer prompts are dropped (and counted)
+    # sync: every batch is sampled by the weights it trains; async: rollouts go on during
+    # training, at most rollout.max_head_offpolicyness versions behind (pair it with
+    # ppo.use_decoupled_loss).
+    mode: str = "sync"
+    export_freq: int = 0  # steps between HF exports to <run>/hf/step_N; the last step always
+    tensorboard: bool = True  # scalars under <run>/tensorboard
+    progress: bool = True  # tqdm bar over the steps
+    dump_to_file: bool = False  # every rollout as JSONL under <run>/rollouts/
+    trace: bool = False  # Chrome trace of the step phases: <run>/trace.json (chrome://tracing)
+    # Weights & Biases beside TensorBoard (trainer/wandb_log.py); mode=disabled by default.
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self):
+        check_choice("mode", self.mode, TRAINER_MODES)
+        check_positive("export_freq", self.export_freq, allow_zero=True)
+        check_positive("total_steps", self.total_steps)
+        check_positive("batch_size", self.batch_size)
+        check_positive("save_freq", self.save_freq, allow_zero=True)
+        check_positive("eval_freq", self.eval_freq, allow_zero=True)
+        check_positive("max_prompt_tokens", self.max_prompt_tokens)
+
+
+@dataclass(kw_only=True)
+class SFTConfig:
+    """Supervised warm-up (``areal-mcore sft``): base model -> HF folder at output_dir."""
+
+    base_model: str  # HF folder to start from
+    output_dir: str  # HF folder written at the end (the RL run's model_path)
+    steps: int
+    batch_size: int
+    response_template: str = "The answer is {solution}."
+
+    def __post_init__(self):
+        check_positive("steps", self.steps)
+        check_positive("batch_size", self.batch_size)
+        if "{solution}" not in self.response_template:
+            raise field_error("response_template", self.response_template, "must contain {solution}")

@@ -1,0 +1,118 @@
+"""Global rank 0's half of the PPO run: what samples the batches.
+
+Servers (launched here unless ``server.addresses`` names running ones), the client, the
+training controller, the reward pool, the prompt sampler and the held-out evaluator. Built
+on rank 0 only; the other ranks train on what ``trainer.dispatch`` hands them. Every call
+into the client and controllers runs on the trainer's event-loop thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from functools import partial
+
+from areal_mcore.data.prompts import prompts_for
+from areal_mcore.data.sampler import EpochSampler
+from areal_mcore.reward.pool import RewardPool
+from areal_mcore.rollout.client import ClientConfig, RolloutClient
+from areal_mcore.rollout.controller import RolloutBatch, RolloutController
+from areal_mcore.rollout.launcher import launch_servers
+from areal_mcore.run_dir import RunDir
+from areal_mcore.trainer.dispatch import SamplePacker
+from areal_mcore.trainer.event_loop import LoopThread
+
+
+class RolloutSide:
+    """Samples each step's batch (``rollout``) and the held-out accuracy (``evaluate``);
+    ``state_dict`` is what a resumed run needs to draw the same prompts next."""
+
+    def __init__(self, cfg, tokenizer, run: RunDir, loop: LoopThread):
+        """``cfg``: the ``ExperimentConfig`` (``dataset``, ``rollout``, ``server``, ``reward``,
+        ``trainer`` and ``eval_dataset`` are read)."""
+        self.cfg, self.loop = cfg, loop
+        self.servers, self.pool, self.client, self.controller = [], None, None, None
+        try:
+            self._start(tokenizer, run)
+        except BaseException:
+            self.close()  # no server outlives a failed start
+            raise
+
+    def _start(self, tokenizer, run: RunDir) -> None:
+        cfg, t = self.cfg, self.cfg.trainer
+        train_set = prompts_for(cfg.dataset, tokenizer, max_prompt_tokens=t.max_prompt_tokens)
+        self.prompts = train_set.prompts
+        print(f"[ppo] {len(self.prompts)} prompts ({train_set.dropped_long} longer than "
+              f"{t.max_prompt_tokens} tokens dropped)", flush=True)
+        self.sampler = EpochSampler(len(self.prompts), t.batch_size, cfg.seed)
+        self.addresses = list(cfg.server.addresses)
+        if not self.addresses:
+            self.servers = launch_servers(cfg.server, default_log_dir=str(run.servers))  # logs with the run
+            self.addresses = [s.address for s in self.servers]
+        self.pool = RewardPool(cfg.reward)
+        self.client = RolloutClient(ClientConfig(addresses=self.addresses, api_key=cfg.server.api_key,
+                                                 backend=cfg.server.backend))
+        self.loop.run(self.client.start())
+        self.decode = partial(tokenizer.decode, skip_special_tokens=True)
+        self.controller = RolloutController(cfg.rollout, self.client, self.pool.ascore, self.decode)
+        self.packer = SamplePacker()  # each group becomes arrays as it arrives (dispatch concatenates)
+        self.controller.on_group = self.packer
+        self.eval_prompts = []
+        if cfg.eval_dataset is not None and t.eval_freq:
+            # The prompts `areal-mcore eval --config` builds for the same file (one function).
+            self.eval_prompts = prompts_for(cfg.eval_dataset, tokenizer,
+                                            max_prompt_tokens=t.max_prompt_tokens).prompts
+
+    def start_sampling(self) -> None:
+        """``trainer.mode=async``: sampling starts (where the restored sampler is) and runs
+        on during training; ``rollout`` collects from it."""
+        self.loop.call(self.controller.start, self._prompt_stream(), self.cfg.trainer.batch_size)
+
+    def _prompt_stream(self):
+        while True:
+            yield from (self.prompts[i] for i in self.sampler.next_batch())
+
+    def rollout(self) -> RolloutBatch:
+        """The next batch: sampled now (sync) or collected from the running stream (async)."""
+        if self.cfg.trainer.mode == "async":
+            return self.loop.run(self.controller.prepare_batch(self.cfg.trainer.batch_size))
+        batch = [self.prompts[i] for i in self.sampler.next_batch()]
+        return self.loop.run(self.controller.rollout_batch(batch))
+
+    def evaluate(self) -> dict | None:
+        """Accuracy on the held-out problems (None without an eval set)."""
+        if not self.eval_prompts:
+            return None
+        t = time.perf_counter()
+        rollout = self.cfg.rollout
+        # A fresh controller each time, with its own seed: evaluating never changes what
+        # training samples, every eval draws the same seeds (its curve moves with the
+        # weights only), and `areal-mcore eval` with the run's config draws them too.
+        evaluator = RolloutController(dataclasses.replace(rollout, seed=rollout.seed + 1),
+                                      self.client, self.pool.ascore, self.decode)
+        out = self.loop.run(evaluator.rollout_batch(self.eval_prompts))
+        return {"eval/accuracy": out.stats["rollout/accuracy"], "eval/n_samples": out.stats["rollout/n_samples"],
+                "eval/time_s": time.perf_counter() - t}
+
+    def set_version(self, version: int) -> list:
+        """Tags new samples with ``version``; returns the servers' weight versions."""
+        self.loop.call(self.controller.set_version, version)
+        return self.loop.run(self.client.weight_versions())
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.loop.call(self.sampler.state_dict),
+                "controller": self.loop.call(self.controller.state_dict)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.controller.load_state_dict(state["controller"])
+
+    def close(self) -> None:
+        if self.controller is not None:
+            self.loop.run(self.controller.stop())
+        if self.client is not None:
+            self.loop.run(self.client.close())
+        if self.pool is not None:
+            self.pool.close()
+        for s in self.servers:
+            s.stop()
