@@ -41,7 +41,7 @@ def test_allocations_that_do_not_fit_say_why_with_numbers(text, nodes, gpn, mess
 
 @pytest.mark.parametrize("text,message", [
     ("sglang:d4", "must be '<rollout>:<dims>+megatron:<dims>'"),
-    ("vllm:d4+megatron:d2", "rollout backend 'vllm' is not one of ['sglang', 'embedded']"),
+    ("trtllm:d4+megatron:d2", "rollout backend 'trtllm' is not one of ['sglang', 'embedded', 'vllm']"),
     ("megatron:d2+sglang:d4", "rollout backend 'megatron'"),
     ("sglang:d4x2+megatron:d2", "'sglang:d4x2' is not '<name>:<dims>'"),
     ("sglang:d4d2+megatron:d2", "gives 'd' twice"),

@@ -1,7 +1,9 @@
 """The package's import graph: no cycles, and STYLE.md's layering rules.
 
 The graph is read from the source (ast), with function-local imports included: a cycle
-held off only by an import inside a function breaks as soon as someone hoists it. What a
+held off only by an import inside a function breaks as soon as someone hoists it. Imports
+under ``if TYPE_CHECKING:`` are left out: they never run, and annotations name types that
+way precisely so that a module can refer to its caller's types without importing it. What a
 module pulls in *when imported* (the megatron rules) follows module-level imports only.
 """
 
@@ -30,6 +32,7 @@ def import_graph(package_dir: Path, name: str) -> dict[str, dict[str, set[str]]]
         is_pkg = path.name == "__init__.py"
         edges = {"all": set(), "top": set(), "external": set()}
         tree = ast.parse(path.read_text())
+        _drop_type_checking_blocks(tree)
         top_level = {id(n) for n in _module_level(tree)}
         for node in ast.walk(tree):
             targets = []
@@ -51,6 +54,13 @@ def import_graph(package_dir: Path, name: str) -> dict[str, dict[str, set[str]]]
                     edges["external"].add(target.split(".")[0])
         graph[module] = edges
     return graph
+
+
+def _drop_type_checking_blocks(tree: ast.Module) -> None:
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Name | ast.Attribute)
+                and ast.unparse(node.test).split(".")[-1] == "TYPE_CHECKING"):
+            node.body = []
 
 
 def _module_level(tree: ast.Module):
@@ -124,8 +134,12 @@ def test_the_cycle_finder_reports_a_cycle_planted_in_a_synthetic_package(tmp_pat
     (pkg / "leaf.py").write_text("import os\n")
     graph = import_graph(pkg, "planted")
     assert find_cycle(graph) == ["planted.config", "planted.sub.actor", "planted.config"]
-    (pkg / "sub" / "actor.py").write_text("class Actor:\n    pass\n")
+    # a type-only import never runs: no cycle; the same import in the else branch runs: a cycle
+    guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from planted import config\n"
+    (pkg / "sub" / "actor.py").write_text(guarded)
     assert find_cycle(import_graph(pkg, "planted")) is None
+    (pkg / "sub" / "actor.py").write_text(guarded + "else:\n    from planted import config\n")
+    assert find_cycle(import_graph(pkg, "planted")) == ["planted.config", "planted.sub.actor", "planted.config"]
 
 
 def test_the_package_has_no_import_cycle():

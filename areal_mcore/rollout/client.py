@@ -28,18 +28,9 @@ import aiohttp
 from areal_mcore.rollout.engines import engine_for
 from areal_mcore.rollout.engines.base import GroupSpec
 from areal_mcore.rollout.engines.sglang import token_versions  # noqa: F401 (re-exported)
-from areal_mcore.rollout.protocol import LAST_OLD_API, SamplingParams
+from areal_mcore.rollout.protocol import LAST_OLD_API, RolloutError, SamplingParams  # noqa: F401 (RolloutError re-exported)
 
 log = logging.getLogger(__name__)
-
-
-class RolloutError(RuntimeError):
-    """A request that no server could serve, or servers that refused an admin call
-    (``failed`` lists their addresses)."""
-
-    def __init__(self, message: str, failed: list[str] | None = None):
-        super().__init__(message)
-        self.failed = failed or []
 
 
 @dataclass(kw_only=True)

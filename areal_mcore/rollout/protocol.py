@@ -99,3 +99,12 @@ def finish_length(length: int) -> dict:
 
 def finish_abort(message: str) -> dict:
     return {"type": "abort", "message": message}
+
+
+class RolloutError(RuntimeError):
+    """A request that no server could serve, or servers that refused an admin call
+    (``failed`` lists their addresses)."""
+
+    def __init__(self, message: str, failed: list[str] | None = None):
+        super().__init__(message)
+        self.failed = failed or []

@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec
-from areal_mcore.rollout.protocol import SamplingParams, parse_version
+from areal_mcore.rollout.protocol import RolloutError, SamplingParams, parse_version
 
 if TYPE_CHECKING:
     from areal_mcore.rollout.client import RolloutClient, _Server
@@ -40,8 +40,6 @@ class SGLangEngine(Engine):
     async def detect(self, fleet: RolloutClient, s: _Server) -> None:
         """Version and parallel sizes from /server_info (SGLang 0.5.10-0.5.23 all serve it;
         /get_server_info is its deprecated alias)."""
-        from areal_mcore.rollout.client import RolloutError
-
         for path in ("/server_info", "/get_server_info"):
             try:
                 info = await fleet.request(s, "GET", path, timeout=30)
@@ -91,8 +89,6 @@ class SGLangEngine(Engine):
     def check_distributed_updates(self, fleet: RolloutClient, pp_size: int) -> None:
         """SGLang's ``update_weights_from_distributed`` asserts ``dp_size == 1`` and joins
         TP rank r as ``rank_offset + r``: PP stages would take the same ranks."""
-        from areal_mcore.rollout.client import RolloutError
-
         bad = [s for s in fleet.servers if s.dp_size != 1 or s.pp_size != 1]
         if bad:
             raise RolloutError(

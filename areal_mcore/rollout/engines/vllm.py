@@ -38,7 +38,13 @@ import os
 from typing import TYPE_CHECKING
 
 from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec
-from areal_mcore.rollout.protocol import SamplingParams, finish_abort, finish_length, parse_version
+from areal_mcore.rollout.protocol import (
+    RolloutError,
+    SamplingParams,
+    finish_abort,
+    finish_length,
+    parse_version,
+)
 
 if TYPE_CHECKING:
     from areal_mcore.rollout.client import RolloutClient, _Server
@@ -179,8 +185,6 @@ class VLLMEngine(Engine):
 
     # ---- weight updates ----------------------------------------------------------------
     def check_distributed_updates(self, fleet: RolloutClient, pp_size: int) -> None:
-        from areal_mcore.rollout.client import RolloutError
-
         bad = [s for s in fleet.servers if s.dp_size != 1]
         if bad:
             raise RolloutError(
@@ -197,8 +201,6 @@ class VLLMEngine(Engine):
         return backend == "gloo"
 
     async def init_group(self, fleet: RolloutClient, spec: GroupSpec) -> None:
-        from areal_mcore.rollout.client import RolloutError
-
         if spec.backend != "gloo" and spec.stage > 0:
             # NCCLWeightTransferEngine.init_transfer_engine replaces its one group, so a
             # second stage's group would take the first one's place.
