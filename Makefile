@@ -106,11 +106,15 @@ MCORE_TESTS := $(MCORE_BASE) \
 	tests/test_sequence_parallel.py::test_tp2_sequence_parallel_equals_tp2_and_saves_activation_memory
 MCORE_TESTS_ALL := $(MCORE_BASE) tests/test_sequence_parallel.py tests/test_tied_pipeline.py \
 	tests/test_uneven_pipeline.py
-# Hung on 0.19.2 in the clean-clone run of 2026-12-01 (its killer thread polls until the
-# first bucket lands; it also timed out once on 0.16.1 under load): out of this stage until
-# it is bounded and understood; the main suite still runs it on 0.16.1.
-MCORE_DESELECT ?= --deselect \
-	tests/test_weight_sync.py::test_server_killed_mid_update_is_reported_and_the_survivor_stays_paused
+# Out of this stage (the main suite runs them on 0.16.1): they test the servers' session
+# and group rules and the loop's scheduling, whose megatron part (the TP/PP gather, the HF
+# export, the train step) the tests kept here already run on 0.19 (about 4 min saved).
+MCORE_DESELECT ?= $(addprefix --deselect tests/,\
+	test_weight_sync.py::test_a_push_failed_mid_bucket_closes_the_session_and_the_next_push_succeeds \
+	test_weight_sync.py::test_a_trainer_restarted_against_surviving_servers_syncs \
+	test_weight_sync.py::test_stage_groups_form_one_stage_at_a_time_whatever_the_arrival_order \
+	test_weight_sync.py::test_a_sync_while_requests_generate_tags_every_token_with_its_version_in_each_pause_mode \
+	test_ppo_e2e.py::test_async_ppo_run_at_the_tiny_runs_load_stays_within_max_head_offpolicyness)
 test-mcore019: install install-mcore019
 	AREAL_MCORE_OTHER_PY=$(abspath $(PY)) $(PY019) -m pytest $(MCORE_TESTS) $(MCORE_DESELECT) $(PYTEST_ARGS)
 

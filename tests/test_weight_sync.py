@@ -138,10 +138,17 @@ def _killing_worker(rank, world, addresses, victim_pid):
     first = syncer.plan().bucket_meta(0)[0][0]
     want = actor.hf_state_dict()[first]
 
+    done = threading.Event()
+    seen = []  # what the killer last read, for the failure message
+
     def kill_once_first_bucket_landed():
-        while True:
+        # Bounded: if the bucket never lands (the push failed first), the push's own error
+        # is what the test reports, not a thread that polls forever.
+        deadline = time.monotonic() + 120
+        while not done.is_set() and time.monotonic() < deadline:
             rows = http(addresses[0], "POST", "/get_weights_by_name",
                         {"name": first, "truncate_size": want.shape[0]}, timeout=5)[1]
+            seen[:] = [rows]
             if torch.equal(torch.tensor(rows, dtype=torch.float32), want):
                 os.kill(victim_pid, signal.SIGKILL)
                 return
@@ -149,16 +156,17 @@ def _killing_worker(rank, world, addresses, victim_pid):
 
     async def go():
         await syncer.connect()
-        killer = threading.Thread(target=kill_once_first_bucket_landed)
+        killer = threading.Thread(target=kill_once_first_bucket_landed, daemon=True)
         killer.start()
         try:
             await syncer.push(5)
         except WeightSyncError as e:
             return str(e), e.failed_servers
         finally:
-            killer.join()
+            done.set()
+            killer.join(timeout=30)
             await syncer.close()
-        return None, []
+        return None, [f"first bucket {first} never matched; last read {str(seen)[:200]}"]
     return asyncio.run(go())
 
 
@@ -168,7 +176,7 @@ def test_server_killed_mid_update_is_reported_and_the_survivor_stays_paused(tmp_
         victim, survivor = servers
         addresses = [s.address for s in servers]
         [(message, failed)] = run_gloo(_killing_worker, 1, addresses, victim.proc.pid)
-        assert message is not None, "the push succeeded: the kill came too late"
+        assert message is not None, f"the push succeeded: the kill came too late ({failed})"
         assert victim.address in failed and victim.address in message
         assert victim.proc.wait(10) == -signal.SIGKILL
         info = http(survivor.address, "GET", "/server_info")[1]

@@ -104,6 +104,9 @@ class SyncStats:
 
 
 class WeightSyncer:
+    # How long a bucket's HTTP answers are awaited after its broadcast failed (``_answers``).
+    answer_grace_s = 5.0
+
     def __init__(self, cfg: WeightSyncConfig, actor, addresses: list[str], *,
                  api_key: str | None = None, backend: str = "sglang"):
         self.cfg = cfg
@@ -271,28 +274,46 @@ class WeightSyncer:
         last_stage = self.g.pp_rank == self.g.pp_size - 1
         payload = await asyncio.to_thread(self._gather, plan, 0, stats)
         for i in range(n):
-            nxt = asyncio.to_thread(self._gather, plan, i + 1, stats) if i + 1 < n else None
+            nxt = (asyncio.ensure_future(asyncio.to_thread(self._gather, plan, i + 1, stats))
+                   if i + 1 < n else None)  # overlaps this bucket's send
             if stats.failures:  # keep gathering: TP peers must not be left in a collective
                 payload = await nxt if nxt else None
                 continue
             names, shapes = plan.bucket_meta(i)
-            http = self._timed(stats, "http_s", self.client.update_bucket(
+            http = asyncio.ensure_future(self._timed(stats, "http_s", self.client.update_bucket(
                 names=names, dtypes=[plan.dtype] * len(names), shapes=shapes,
                 group=self._spec, flatten=self._flatten(),
-                weight_version=str(version) if last_stage and i == n - 1 else None))
-            wire = self._timed(stats, "wire_s", asyncio.to_thread(self._broadcast, payload))
-            http_r, wire_r, *rest = await asyncio.gather(http, wire, *([nxt] if nxt else []),
-                                                         return_exceptions=True)
-            for what, r in ((f"bucket {i} request", http_r), (f"bucket {i} broadcast", wire_r)):
-                if isinstance(r, BaseException):
+                weight_version=str(version) if last_stage and i == n - 1 else None)))
+            wire = asyncio.ensure_future(
+                self._timed(stats, "wire_s", asyncio.to_thread(self._broadcast, payload)))
+            for what, r in ((f"bucket {i} request", await self._answers(http, wire)),
+                            (f"bucket {i} broadcast", wire.exception())):
+                if r is not None:
                     stats.fail(what, r)
             if not stats.failures:
                 stats.bytes += sum(t.numel() * t.element_size() for t in payload)
                 stats.buckets += 1
-            if rest:
-                if isinstance(rest[0], BaseException):
-                    raise rest[0]
-                payload = rest[0]
+            if nxt:
+                payload = await nxt
+
+    async def _answers(self, http: asyncio.Future, wire: asyncio.Future) -> BaseException | None:
+        """The bucket request's error, if any, once the broadcast is over. A broadcast that
+        failed (a receiver died: gloo raises at once) means the other servers of the group
+        never receive the bucket and wait in their receive until the group's timeout, so
+        their answers are waited for only ``answer_grace_s``; the request is then cancelled
+        and the error names the servers the client found dead (a refused connection marks
+        a server unhealthy)."""
+        await asyncio.wait({wire})
+        if wire.exception() is not None:
+            await asyncio.wait({http}, timeout=self.answer_grace_s)
+            if not http.done():
+                http.cancel()
+                await asyncio.gather(http, return_exceptions=True)
+                dead = [s.address for s in self.client.servers if not s.healthy]
+                return RolloutError(f"cancelled {self.answer_grace_s:g} s after the broadcast "
+                                    f"failed; servers found dead: {dead or 'none'}", dead)
+        await asyncio.gather(http, return_exceptions=True)
+        return http.exception()
 
     def _flatten(self) -> bool:
         return self.cfg.flatten and (self._spec is None or
