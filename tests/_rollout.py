@@ -10,11 +10,13 @@ from _tiny_model import tiny_qwen2
 EOS = 7
 
 
-def tiny_hf_dir(root: str, seed: int = 0) -> str:
-    """A seeded random Qwen2 saved as an HF directory (eos id ``EOS``)."""
-    path = os.path.join(root, f"tiny_hf_{seed}")
+def tiny_hf_dir(root: str, seed: int = 0, **shape) -> str:
+    """A seeded random Qwen2 saved as an HF directory (eos id ``EOS``); ``shape`` are
+    ``tiny_qwen2``'s keywords (``VLLM_SHAPE`` for what vLLM's CPU attention serves)."""
+    tag = "".join(f"_{k}{v}" for k, v in sorted(shape.items()))
+    path = os.path.join(root, f"tiny_hf_{seed}{tag}")
     if not os.path.exists(os.path.join(path, "config.json")):
-        _, _, model = tiny_qwen2(seed)
+        _, _, model = tiny_qwen2(seed, **shape)
         model.config.eos_token_id = EOS
         model.generation_config.eos_token_id = EOS
         model.save_pretrained(path)
@@ -22,17 +24,23 @@ def tiny_hf_dir(root: str, seed: int = 0) -> str:
 
 
 @contextlib.contextmanager
-def embedded_servers(model_path: str, log_dir: str, n: int = 1, **overrides):
+def rollout_servers(model_path: str, log_dir: str, n: int = 1, *, backend: str = "embedded",
+                    grace_s: float = 5, **overrides):
+    """``n`` servers of ``backend`` on ``model_path`` (fp32, 256-token context), stopped on exit."""
     from areal_mcore.rollout.launcher import ServerConfig, launch_servers
 
-    cfg = ServerConfig(model_path=model_path, backend="embedded", n_servers=n, dtype="float32",
-                       context_length=256, log_dir=log_dir, startup_timeout_s=120, **overrides)
+    overrides = {"dtype": "float32", "context_length": 256, "startup_timeout_s": 120, **overrides}
+    cfg = ServerConfig(model_path=model_path, backend=backend, n_servers=n, log_dir=log_dir, **overrides)
     servers = launch_servers(cfg, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         yield servers
     finally:
         for s in servers:
-            s.stop(grace_s=5)
+            s.stop(grace_s=grace_s)
+
+
+def embedded_servers(model_path: str, log_dir: str, n: int = 1, **overrides):
+    return rollout_servers(model_path, log_dir, n, **overrides)
 
 
 def http(address: str, method: str, path: str, body: dict | None = None, *, key: str | None = None,
