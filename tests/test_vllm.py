@@ -16,9 +16,9 @@ import psutil
 import pytest
 import torch
 from _dist import run_gloo
-from _rollout import http
+from _rollout import http, tiny_hf_dir
 from _tiny_model import VLLM_SHAPE
-from _vllm import vllm_hf_dir, vllm_servers
+from _vllm import vllm_servers
 
 from areal_mcore.rollout.client import ClientConfig, RolloutClient
 from areal_mcore.rollout.launcher import ServerConfig
@@ -30,7 +30,7 @@ SERVED_SEED = 21  # the actors hold tiny_qwen2(seed 0): a sync must change the w
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return vllm_hf_dir(str(tmp_path_factory.mktemp("vllm_model")), SERVED_SEED)
+    return tiny_hf_dir(str(tmp_path_factory.mktemp("vllm_model")), SERVED_SEED, **VLLM_SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +158,25 @@ def test_sync_from_a_sharded_actor_makes_vllm_serve_the_actors_logprobs(servers,
     logps = [torch.tensor(before[0][1])] + [torch.tensor(c["greedy"][0][1]) for c in checks]
     for a, b in zip(logps, logps[1:]):
         assert (a - b).abs().max() > 1e-2
+
+
+REFUSED_FINISH = "finish_weight_update called without a matching start_weight_update"
+
+
+def test_a_session_a_dead_trainer_left_open_is_closed_at_the_next_connect(servers):
+    addresses = [s.address for s in servers]
+    # Every connect so far found fresh or resumed servers: none was sent a finish it refuses
+    # (vLLM logs a traceback for each).
+    for s in servers:
+        with open(s.log_path) as f:
+            assert REFUSED_FINISH not in f.read(), s.log_path
+    # A trainer killed mid-update leaves the servers paused with a session open; vLLM then
+    # refuses every start_weight_update until the session is finished.
+    for a in addresses:
+        assert http(a, "POST", "/pause?mode=abort")[0] == 200
+        assert http(a, "POST", "/start_weight_update")[0] == 200
+    [check] = run_gloo(_sync_worker, 2, 2, 1, addresses, [7])[0]
+    assert check["versions"] == ["7"] * len(addresses)
 
 
 def _sync_while_generating_worker(rank, world, addresses, new_version):

@@ -242,12 +242,19 @@ class VLLMEngine(Engine):
         await self.resume(fleet)
 
     async def end_update(self, fleet: RolloutClient, *, best_effort: bool) -> None:
-        """vLLM refuses finish without an open session: best effort ignores that."""
+        """Best effort: finishes the session on every server that may hold one, ignoring
+        refusals. vLLM has no route that reports an open session and answers a finish
+        without one with a 500 and a traceback in its log (``gpu_worker.py``), so only a
+        paused server is sent one: ours pause before ``/start_weight_update`` and resume
+        after the finish, so a server that is not paused holds no session of ours."""
         if not best_effort:
             await fleet.all("POST", "/finish_weight_update", {})
             return
-        await asyncio.gather(*[fleet.request(s, "POST", "/finish_weight_update", {}, timeout=60)
-                               for s in fleet.servers], return_exceptions=True)
+
+        async def close(s: _Server) -> None:
+            if (await fleet.request(s, "GET", "/is_paused", timeout=30))["is_paused"]:
+                await fleet.request(s, "POST", "/finish_weight_update", {}, timeout=60)
+        await asyncio.gather(*[close(s) for s in fleet.servers], return_exceptions=True)
 
     async def update_from_disk(self, fleet: RolloutClient, path: str, version: str,
                                pause_mode: str) -> None:
