@@ -81,9 +81,6 @@ class ExperimentConfig:
             from areal_mcore.rollout.engines.vllm import vllm_pause_mode
 
             vllm_pause_mode(self.weight_sync.pause_mode)  # vLLM has no retract
-            if self.weight_sync.mode == "disk":
-                raise ValueError("weight_sync.mode=disk is not wired for server.backend=vllm: "
-                                 "use weight_sync.mode=distributed")
         if self.trainer is not None and self.rollout is not None and self.rollout.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.rollout.temperature} must be > 0 for training: "
                              "the actor scores tokens at the sampling temperature")

@@ -106,7 +106,7 @@ def _greedy(address, n=12):
     return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
 
 
-def _sync_worker(rank, world, tp, pp, addresses, versions):
+def _sync_worker(rank, world, tp, pp, addresses, versions, disk_dir=None):
     from _actor_setup import tiny_actor
 
     from areal_mcore.packing import pack
@@ -115,7 +115,8 @@ def _sync_worker(rank, world, tp, pp, addresses, versions):
     actor = tiny_actor(tp=tp, pp=pp, shape=VLLM_SHAPE)
     # ~70 KB buckets: several buckets per stage
     cfg = WeightSyncConfig(bucket_mb=0.07, dtype="float32", master_address="127.0.0.1",
-                           timeout_s=120)
+                           timeout_s=120, mode="disk" if disk_dir else "distributed",
+                           disk_dir=disk_dir)
     syncer = WeightSyncer(cfg, actor, addresses, backend="vllm")
     checks = []
 
@@ -136,7 +137,7 @@ def _sync_worker(rank, world, tp, pp, addresses, versions):
             await asyncio.to_thread(torch.distributed.broadcast_object_list, box, 0)
             ids, server_logp = box[0]["greedy"][0]
             logp = actor.compute_logprobs(pack([torch.tensor(PROMPT + ids)]))[len(PROMPT):]
-            checks.append({**box[0], "logp": logp, "buckets": stats.buckets})
+            checks.append({**box[0], "logp": logp, "buckets": stats.buckets, "sync": stats})
         await syncer.close()
     asyncio.run(go())
     return checks
@@ -158,6 +159,21 @@ def test_sync_from_a_sharded_actor_makes_vllm_serve_the_actors_logprobs(servers,
     logps = [torch.tensor(before[0][1])] + [torch.tensor(c["greedy"][0][1]) for c in checks]
     for a, b in zip(logps, logps[1:]):
         assert (a - b).abs().max() > 1e-2
+
+
+def test_a_disk_update_makes_vllm_serve_the_actors_logprobs(servers, tmp_path):
+    """weight_sync.mode=disk: the HF export, loaded by vLLM's reload_weights on every worker."""
+    addresses = [s.address for s in servers]
+    checks = run_gloo(_sync_worker, 2, 2, 1, addresses, [60, 61], str(tmp_path / "export"))[0]
+    for version, check in zip([60, 61], checks):
+        assert check["versions"] == [str(version)] * len(addresses)
+        assert check["sync"].convert_s > 0 and check["buckets"] == 0  # exported, not broadcast
+        for ids, server_logp in check["greedy"]:
+            assert ids == check["greedy"][0][0]
+            assert torch.allclose(torch.tensor(server_logp), check["logp"], atol=1e-4, rtol=0), \
+                (torch.tensor(server_logp) - check["logp"]).abs().max()
+    first, second = (torch.tensor(c["greedy"][0][1]) for c in checks)
+    assert (first - second).abs().max() > 1e-2  # the second export's changed weights
 
 
 REFUSED_FINISH = "finish_weight_update called without a matching start_weight_update"

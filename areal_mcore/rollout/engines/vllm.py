@@ -258,7 +258,16 @@ class VLLMEngine(Engine):
 
     async def update_from_disk(self, fleet: RolloutClient, path: str, version: str,
                                pause_mode: str) -> None:
-        raise NotImplementedError("weight_sync.mode=disk is not wired for vLLM yet")
+        """vLLM's in-place reload from an HF folder, ``Worker.reload_weights(weights_path=)``
+        (``model_executor/model_loader/reload/inplace.py``: vLLM's own ``load_weights``,
+        layerwise), run on every worker through the dev-mode ``/collective_rpc`` route
+        (string kwargs only: ``entrypoints/serve/dev/rpc/api_router.py``). Paused around it
+        as a distributed update is; the pause clears the prefix cache (but for ``keep``)."""
+        await self.pause(fleet, pause_mode)
+        await fleet.all("POST", "/collective_rpc",
+                        {"method": "reload_weights", "kwargs": {"weights_path": path}})
+        await fleet.all("POST", "/update_weight_version", {"new_version": version})
+        await self.resume(fleet)
 
 
 def vllm_pause_mode(mode: str) -> str:
