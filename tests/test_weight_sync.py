@@ -182,6 +182,13 @@ def test_server_killed_mid_update_is_reported_and_the_survivor_stays_paused(tmp_
         info = http(survivor.address, "GET", "/server_info")[1]
         assert info["internal_states"][0]["paused"] is True  # not serving
         assert info["weight_version"] == "default"  # the new version never arrived
+        # Its engine thread outlived the bucket that never came (the trainer cancelled the
+        # call): resumed, it generates again.
+        assert http(survivor.address, "POST", "/continue_generation", {})[0] == 200
+        status, out = http(survivor.address, "POST", "/generate", {
+            "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0,
+                                                        "ignore_eos": True}}, timeout=60)
+        assert status == 200 and len(out["output_ids"]) == 4, out
 
 
 # ---- SGLang's session and group rules (the embedded server enforces them) --------------

@@ -212,6 +212,12 @@ class DecodeEngine:
                        and len(self._running) + len(joining) < self.max_running_requests):
                     joining.append(self._waiting.popleft())
             for fn, fut in calls:
+                # Running, a call can no longer be cancelled: a caller that goes away
+                # meanwhile (its HTTP handler cancelled on disconnect) must not leave a
+                # cancelled future that set_result refuses, killing this thread. One
+                # cancelled before it ran is skipped.
+                if not fut.set_running_or_notify_cancel():
+                    continue
                 try:
                     fut.set_result(fn())
                 except BaseException as e:  # noqa: BLE001 - handed to the caller

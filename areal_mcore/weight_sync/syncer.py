@@ -106,6 +106,8 @@ class SyncStats:
 class WeightSyncer:
     # How long a bucket's HTTP answers are awaited after its broadcast failed (``_answers``).
     answer_grace_s = 5.0
+    # How long the servers' group teardown is awaited (best effort, ``_destroy_group``).
+    destroy_timeout_s = 10.0
 
     def __init__(self, cfg: WeightSyncConfig, actor, addresses: list[str], *,
                  api_key: str | None = None, backend: str = "sglang"):
@@ -197,8 +199,11 @@ class WeightSyncer:
         if self.group_name is None:
             return
         try:
-            await self.client.destroy_weights_update_group(self.group_name)
-        except RolloutError:
+            # Bounded: a server left in a bucket's receive (a peer died mid-update) serves
+            # the destroy on its engine thread only after its group's timeout (600 s).
+            await asyncio.wait_for(self.client.destroy_weights_update_group(self.group_name),
+                                   self.destroy_timeout_s)
+        except (RolloutError, asyncio.TimeoutError):
             pass
         self._group.close()
         self._group, self.group_name, self._spec = None, None, None
