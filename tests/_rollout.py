@@ -39,8 +39,7 @@ def rollout_servers(model_path: str, log_dir: str, n: int = 1, *, backend: str =
             s.stop(grace_s=grace_s)
 
 
-def embedded_servers(model_path: str, log_dir: str, n: int = 1, **overrides):
-    return rollout_servers(model_path, log_dir, n, **overrides)
+embedded_servers = rollout_servers  # backend="embedded" is its default
 
 
 def http(address: str, method: str, path: str, body: dict | None = None, *, key: str | None = None,
