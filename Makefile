@@ -111,6 +111,7 @@ MCORE_TESTS_ALL := $(MCORE_BASE) tests/test_sequence_parallel.py tests/test_tied
 # export, the train step) the tests kept here already run on 0.19 (about 4 min saved).
 MCORE_DESELECT ?= $(addprefix --deselect tests/,\
 	test_weight_sync.py::test_a_push_failed_mid_bucket_closes_the_session_and_the_next_push_succeeds \
+	test_weight_sync.py::test_a_failed_broadcast_does_not_leave_the_server_in_its_receive \
 	test_weight_sync.py::test_a_trainer_restarted_against_surviving_servers_syncs \
 	test_weight_sync.py::test_stage_groups_form_one_stage_at_a_time_whatever_the_arrival_order \
 	test_weight_sync.py::test_a_sync_while_requests_generate_tags_every_token_with_its_version_in_each_pause_mode \

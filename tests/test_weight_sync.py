@@ -126,7 +126,7 @@ def test_plan_keeps_tensors_whole_and_gives_an_oversized_one_its_own_bucket():
     assert plan.nbytes == sum(t.numel() * 2 for t in state.values())
 
 
-def _killing_worker(rank, world, addresses, victim_pid):
+def _killing_worker(rank, world, addresses, victim, victim_pid):
     from _actor_setup import tiny_actor
 
     from areal_mcore.weight_sync.syncer import WeightSyncer
@@ -146,7 +146,7 @@ def _killing_worker(rank, world, addresses, victim_pid):
         # is what the test reports, not a thread that polls forever.
         deadline = time.monotonic() + 120
         while not done.is_set() and time.monotonic() < deadline:
-            rows = http(addresses[0], "POST", "/get_weights_by_name",
+            rows = http(addresses[victim], "POST", "/get_weights_by_name",
                         {"name": first, "truncate_size": want.shape[0]}, timeout=5)[1]
             seen[:] = [rows]
             if torch.equal(torch.tensor(rows, dtype=torch.float32), want):
@@ -161,34 +161,89 @@ def _killing_worker(rank, world, addresses, victim_pid):
         try:
             await syncer.push(5)
         except WeightSyncError as e:
-            return str(e), e.failed_servers
+            # Checked while this trainer lives on, as a real one would: the survivor must
+            # not be left in the receive of a bucket that never comes (its group's timeout
+            # is SGLang's 600 s) but serve once resumed.
+            return str(e), e.failed_servers, _survivor_after_failed_push(addresses[1 - victim])
         finally:
             done.set()
             killer.join(timeout=30)
             await syncer.close()
-        return None, [f"first bucket {first} never matched; last read {str(seen)[:200]}"]
+        return None, [f"first bucket {first} never matched; last read {str(seen)[:200]}"], None
     return asyncio.run(go())
+
+
+def _survivor_after_failed_push(address: str) -> dict:
+    info = http(address, "GET", "/server_info")[1]
+    resumed = http(address, "POST", "/continue_generation", {}, timeout=30)[0]
+    t = time.monotonic()
+    status, out = http(address, "POST", "/generate", {
+        "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0,
+                                                    "ignore_eos": True}}, timeout=60)
+    return {"paused": info["internal_states"][0]["paused"], "version": info["weight_version"],
+            "resumed": resumed, "status": status, "tokens": len(out.get("output_ids", [])),
+            "generate_s": time.monotonic() - t}
 
 
 def test_server_killed_mid_update_is_reported_and_the_survivor_stays_paused(tmp_path):
     model = tiny_hf_dir(str(tmp_path), seed=21)
     with embedded_servers(model, str(tmp_path / "logs"), n=2) as servers:
-        victim, survivor = servers
+        victim = servers[0]
         addresses = [s.address for s in servers]
-        [(message, failed)] = run_gloo(_killing_worker, 1, addresses, victim.proc.pid)
+        [(message, failed, after)] = run_gloo(_killing_worker, 1, addresses, 0, victim.proc.pid)
         assert message is not None, f"the push succeeded: the kill came too late ({failed})"
         assert victim.address in failed and victim.address in message
         assert victim.proc.wait(10) == -signal.SIGKILL
-        info = http(survivor.address, "GET", "/server_info")[1]
-        assert info["internal_states"][0]["paused"] is True  # not serving
-        assert info["weight_version"] == "default"  # the new version never arrived
-        # Its engine thread outlived the bucket that never came (the trainer cancelled the
-        # call): resumed, it generates again.
-        assert http(survivor.address, "POST", "/continue_generation", {})[0] == 200
-        status, out = http(survivor.address, "POST", "/generate", {
-            "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0,
-                                                        "ignore_eos": True}}, timeout=60)
-        assert status == 200 and len(out["output_ids"]) == 4, out
+        assert after["paused"] is True  # not serving until told
+        assert after["version"] == "default"  # the new version never arrived
+        # Resumed while the trainer still runs, it generates (its engine is not stuck in
+        # the dead group's receive, and its thread outlived the cancelled call).
+        assert after["resumed"] == 200 and after["status"] == 200 and after["tokens"] == 4, after
+
+
+def _unsent_bucket_worker(rank, world, addresses):
+    """A push whose second broadcast fails on the trainer before anything is sent (as when
+    a dead peer is found first): the server was told to receive that bucket."""
+    from _actor_setup import tiny_actor
+
+    from areal_mcore.weight_sync.syncer import WeightSyncer
+
+    cfg = WeightSyncConfig(bucket_mb=1e-6, dtype="float32", flatten=False,
+                           master_address="127.0.0.1", timeout_s=60)
+    syncer = WeightSyncer(cfg, tiny_actor(), addresses)
+    sent = syncer._broadcast
+
+    def broadcast(payload):
+        if broadcast.calls == 1:
+            raise RuntimeError("injected: peer found dead before this bucket was sent")
+        broadcast.calls += 1
+        sent(payload)
+    broadcast.calls = 0
+    syncer._broadcast = broadcast
+
+    async def go():
+        await syncer.connect()
+        try:
+            await syncer.push(5)
+            return None, None
+        except WeightSyncError as e:
+            t = time.monotonic()
+            after = _survivor_after_failed_push(addresses[0])
+            return str(e), {**after, "after_error_s": time.monotonic() - t}
+        finally:
+            await syncer.close()
+    return asyncio.run(go())
+
+
+def test_a_failed_broadcast_does_not_leave_the_server_in_its_receive(tmp_path):
+    """The server waits in the receive of a bucket that never comes until the trainer's
+    side of the group closes (else the group's timeout: SGLang's 600 s)."""
+    model = tiny_hf_dir(str(tmp_path), seed=21)
+    with embedded_servers(model, str(tmp_path / "logs"), n=1) as servers:
+        [(message, after)] = run_gloo(_unsent_bucket_worker, 1, [servers[0].address])
+        assert message is not None and "injected" in message
+        assert after["paused"] is True and after["version"] == "default"
+        assert after["resumed"] == 200 and after["status"] == 200 and after["tokens"] == 4, after
 
 
 # ---- SGLang's session and group rules (the embedded server enforces them) --------------

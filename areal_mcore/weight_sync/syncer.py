@@ -205,8 +205,15 @@ class WeightSyncer:
                                    self.destroy_timeout_s)
         except (RolloutError, asyncio.TimeoutError):
             pass
-        self._group.close()
-        self._group, self.group_name, self._spec = None, None, None
+        self._close_local_group()
+        self.group_name, self._spec = None, None
+
+    def _close_local_group(self) -> None:
+        """This side only (idempotent): its gloo pairs close, so a server waiting in a
+        receive of this group fails there at once ("connection closed by peer")."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
 
     async def close(self) -> None:
         if self.client is not None:
@@ -303,13 +310,18 @@ class WeightSyncer:
 
     async def _answers(self, http: asyncio.Future, wire: asyncio.Future) -> BaseException | None:
         """The bucket request's error, if any, once the broadcast is over. A broadcast that
-        failed (a receiver died: gloo raises at once) means the other servers of the group
-        never receive the bucket and wait in their receive until the group's timeout, so
-        their answers are waited for only ``answer_grace_s``; the request is then cancelled
-        and the error names the servers the client found dead (a refused connection marks
-        a server unhealthy)."""
+        failed (a receiver died: gloo raises at once) may leave the other servers of the
+        group without the bucket, in their receive: this side of the group is closed, which
+        fails that receive, and their answers are waited for ``answer_grace_s`` at most; the
+        request is then cancelled and the error names the servers the client found dead (a
+        refused connection marks a server unhealthy)."""
         await asyncio.wait({wire})
         if wire.exception() is not None:
+            # The group is unusable now (it is re-formed before the next push). Closing
+            # this side ends the survivors' receive at once; otherwise their engines sat in
+            # it until the group's timeout (SGLang's join carries none: 600 s), serving
+            # nothing, while this trainer went on.
+            self._close_local_group()
             await asyncio.wait({http}, timeout=self.answer_grace_s)
             if not http.done():
                 http.cancel()
