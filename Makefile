@@ -11,14 +11,26 @@ VENV_FLAGS ?=
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install install-vllm install-mcore019 test-mcore019 sysdeps sglang-wheels test lint run bench clean \
+.PHONY: install disk-install disk-test disk-019 install-vllm install-mcore019 test-mcore019 sysdeps sglang-wheels test lint run bench clean \
 	slurm-up slurm-down
 
 # The vLLM venv (install-vllm, below) is on by default where there is no GPU (nvidia-smi).
 # Defined before the rule: make expands a rule's prerequisites as it reads the line.
 WITH_VLLM ?= $(if $(shell command -v nvidia-smi 2>/dev/null),0,1)
 
-install: $(STAMP) $(if $(filter 1,$(WITH_VLLM)),install-vllm)
+install: disk-install $(STAMP) $(if $(filter 1,$(WITH_VLLM)),install-vllm)
+
+# Free disk is checked before anything is installed (scripts/disk_check.sh): each piece not
+# there yet is charged its size, measured 2026-12-01 and rounded up (.venv 2.7 GB,
+# .venv-vllm 3.4, .venv-mcore019 5.5, its wheelhouse 2.6; the suite's scratch ~1.5).
+DISK_VENV = .venv:$(STAMP):3 $(if $(filter 1,$(WITH_VLLM)),.venv-vllm:$(BASE_VLLM):4)
+DISK_019 = .venv-mcore019:$(STAMP019):6 wheelhouse:$(WHEELS019)/torch-*.whl:3
+disk-install:
+	@bash scripts/disk_check.sh $(DISK_VENV)
+disk-test:
+	@bash scripts/disk_check.sh $(DISK_VENV) $(DISK_019) test-scratch:-:2
+disk-019:
+	@bash scripts/disk_check.sh $(DISK_019)
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || python3 -m venv $(VENV_FLAGS) $(VENV)
@@ -78,7 +90,7 @@ PY019 := $(VENV019)/bin/python
 STAMP019 := $(VENV019)/.installed
 FROZEN019 = $(PY019) -m pip freeze | grep -E '^(torch|megatron-core)=='
 
-install-mcore019: $(STAMP019)
+install-mcore019: disk-019 $(STAMP019)
 
 $(STAMP019): setup.py Makefile
 	test -x $(PY019) || $(PY312) -m venv $(VENV019)
@@ -144,7 +156,7 @@ slurm-down:
 
 # AREAL_REQUIRE_SYSDEPS: Slurm/shellcheck tests fail instead of skipping when missing.
 # Then the megatron tests again at the 0.19 end of setup.py's range (test-mcore019).
-test: install sysdeps sglang-wheels install-mcore019
+test: disk-test install sysdeps sglang-wheels install-mcore019
 	AREAL_REQUIRE_SYSDEPS=1 SGLANG_WHEELS=$(SGLANG_WHEELS) $(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-mcore019
 
