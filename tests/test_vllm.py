@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import psutil
 import pytest
@@ -213,15 +214,31 @@ def _sync_while_generating_worker(rank, world, addresses, new_version):
         async with RolloutClient(ClientConfig(addresses=addresses, backend="vllm")) as c:
             old = await c.weight_versions()
             sampling = SamplingParams(max_new_tokens=160, temperature=1.0, ignore_eos=True)
+            start = _generated_tokens(addresses)
             gen = asyncio.gather(*[c.generate(PROMPT[: 3 + i % 5], sampling, rid=f"r{i}")
-                                   for i in range(32)])
-            await asyncio.sleep(1.0)
+                                 for i in range(32)])
+            # Mid-batch by count, not by a sleep (one that ended before any token, or after
+            # the last, made the test fail under load): 1/16 of the 32 x 160 tokens are out.
+            deadline = time.monotonic() + 120
+            while _generated_tokens(addresses) - start < 32 * 160 // 16:
+                assert time.monotonic() < deadline and not gen.done(), "no tokens counted"
+                await asyncio.sleep(0.05)
             await syncer.push(new_version)
             outs = await gen
         await syncer.close()
         return old, [(o.rid, len(o.output_ids), len(o.logprobs), o.versions, o.finish_reason)
                      for o in outs]
     return asyncio.run(go())
+
+
+def _generated_tokens(addresses) -> float:
+    """vLLM's own count of generated tokens (its Prometheus counter), over all servers."""
+    total = 0.0
+    for a in addresses:
+        for line in http(a, "GET", "/metrics")[1].splitlines():
+            if line.startswith("vllm:generation_tokens_total"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def test_a_sync_while_32_requests_generate_loses_none_and_tags_every_token(servers):
@@ -249,8 +266,11 @@ def test_kill_9_of_one_of_two_servers_mid_batch_completes_on_the_survivor(server
     async def go():
         async with RolloutClient(ClientConfig(addresses=addresses, backend="vllm",
                                               retry_delay_s=0.5)) as c:
+            start = _generated_tokens(addresses[1:])
             gen = asyncio.gather(*[c.generate(PROMPT, sampling, rid=f"k{i}") for i in range(32)])
-            await asyncio.sleep(1.0)
+            while _generated_tokens(addresses[1:]) - start < 16 * 128 // 8:  # mid-batch there
+                assert not gen.done()
+                await asyncio.sleep(0.05)
             await asyncio.to_thread(servers[1].kill)
             return await gen
     outs = asyncio.run(go())
