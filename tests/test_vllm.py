@@ -217,12 +217,7 @@ def _sync_while_generating_worker(rank, world, addresses, new_version):
             start = _generated_tokens(addresses)
             gen = asyncio.gather(*[c.generate(PROMPT[: 3 + i % 5], sampling, rid=f"r{i}")
                                  for i in range(32)])
-            # Mid-batch by count, not by a sleep (one that ended before any token, or after
-            # the last, made the test fail under load): 1/16 of the 32 x 160 tokens are out.
-            deadline = time.monotonic() + 120
-            while _generated_tokens(addresses) - start < 32 * 160 // 16:
-                assert time.monotonic() < deadline and not gen.done(), "no tokens counted"
-                await asyncio.sleep(0.05)
+            await _until_generated(addresses, start + 32 * 160 // 16, gen)  # 1/16 of the batch
             await syncer.push(new_version)
             outs = await gen
         await syncer.close()
@@ -239,6 +234,16 @@ def _generated_tokens(addresses) -> float:
             if line.startswith("vllm:generation_tokens_total"):
                 total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+async def _until_generated(addresses, tokens: float, gen: asyncio.Future) -> None:
+    """Mid-batch by vLLM's count, not by a sleep (one that ended before any token, or after
+    the last, made the sync test fail under load). Polled off the event loop, which serves
+    the batch's own requests."""
+    deadline = time.monotonic() + 120
+    while await asyncio.to_thread(_generated_tokens, addresses) < tokens:
+        assert time.monotonic() < deadline and not gen.done(), "vLLM counted too few tokens"
+        await asyncio.sleep(0.05)
 
 
 def test_a_sync_while_32_requests_generate_loses_none_and_tags_every_token(servers):
@@ -268,9 +273,7 @@ def test_kill_9_of_one_of_two_servers_mid_batch_completes_on_the_survivor(server
                                               retry_delay_s=0.5)) as c:
             start = _generated_tokens(addresses[1:])
             gen = asyncio.gather(*[c.generate(PROMPT, sampling, rid=f"k{i}") for i in range(32)])
-            while _generated_tokens(addresses[1:]) - start < 16 * 128 // 8:  # mid-batch there
-                assert not gen.done()
-                await asyncio.sleep(0.05)
+            await _until_generated(addresses[1:], start + 16 * 128 // 8, gen)  # mid-batch there
             await asyncio.to_thread(servers[1].kill)
             return await gen
     outs = asyncio.run(go())
