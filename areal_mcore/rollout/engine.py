@@ -287,7 +287,7 @@ class DecodeEngine:
         return out.logits[:, -1, :].float(), new_kv
 
     def _sample_and_finish(self, logits_BV: torch.Tensor, first_row: int) -> None:
-        finished = []
+        finished: list[tuple[int, dict]] = []
         for j in range(logits_BV.shape[0]):
             i = first_row + j
             r = self._running[i]
@@ -297,11 +297,17 @@ class DecodeEngine:
             self.generated_tokens += 1
             reason = self._finish_reason(r, token)
             if reason is not None:
-                self._done(r, reason)
-                finished.append(i)
-        if finished:
-            with self._cond:
-                self._drop(finished)
+                finished.append((i, reason))
+        if not finished:
+            return
+        # Out of the batch first, answered second: a client that has every answer back may
+        # call /flush_cache at once, which is refused while a request still counts as
+        # running (answering first made that flush a race the engine thread lost under load).
+        done = [(self._running[i], reason) for i, reason in finished]
+        with self._cond:
+            self._drop([i for i, _ in finished])
+        for r, reason in done:
+            self._done(r, reason)
 
     def _finish_reason(self, r: Request, token: int) -> dict | None:
         p = r.params
