@@ -2,12 +2,46 @@
 
 from __future__ import annotations
 
+import errno
+import random
 import socket
+
+# Below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default)
+# lies nothing the kernel hands out by itself. A port picked there can only be taken
+# between the check and the caller's bind by another process that picks ports the same
+# way; one picked by bind(0) comes from the ephemeral range, where every outgoing connection
+# of the machine (HTTP polls, gloo's store clients) draws its local port: a server that
+# starts 10 s after bind(0) named its port can find it in use ("Address already in use").
+_LOW = 10_000
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA dynamic range
+        return 49152
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the OS picks it; another process may still
-    take it before the caller binds, which callers accept for launch-time ports)."""
+    """A TCP port free on ``host`` right now, outside the kernel's ephemeral range.
+
+    Another process may still take it before the caller binds; outside the ephemeral range
+    only another explicit pick can, at random among ~20k ports. Falls back to a port the OS
+    picks (bind(0)) when the range below the ephemeral one is unusable."""
+    top = _ephemeral_start()
+    rng = random.SystemRandom()
+    for _ in range(64 if top - _LOW > 1000 else 0):
+        port = rng.randrange(_LOW, top)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                    continue
+                raise
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -39,6 +39,7 @@ def test_bad_server_config_names_the_key(kw, msg):
         ServerConfig(model_path="/m", **kw)
 
 
+@pytest.mark.server
 def test_a_server_that_dies_at_start_reports_its_log(tmp_path):
     cfg = ServerConfig(model_path=str(tmp_path / "missing"), log_dir=str(tmp_path / "logs"),
                        startup_timeout_s=60)
@@ -83,3 +84,54 @@ def test_a_server_dies_with_the_process_that_launched_it(tmp_path):
     while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:
         assert time.time() < deadline, "the server outlived its launcher"
         time.sleep(0.05)
+
+
+_HEALTH_SERVER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.mark.server
+def test_a_server_whose_port_was_taken_before_it_bound_is_started_on_another(tmp_path, monkeypatch):
+    """The launcher picks a port, the server binds it seconds later: a port taken meanwhile
+    ends that server with errno 98, and the launcher starts it again on a new port."""
+    import socket
+    import sys
+
+    import areal_mcore.rollout.launcher as launcher
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real_free_port = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda host: next(ports, None) or real_free_port(host))
+    monkeypatch.setattr(launcher, "server_command",
+                        lambda cfg, *, port, seed: [sys.executable, "-c", _HEALTH_SERVER, str(port)])
+    cfg = ServerConfig(model_path="/m", log_dir=str(tmp_path), startup_timeout_s=60)
+    try:
+        (server,) = launch_servers(cfg)
+        assert server.port != taken.getsockname()[1] and server.proc.poll() is None
+        assert "address already in use" in (tmp_path / "server0.log").read_text().lower()
+        server.stop()
+    finally:
+        taken.close()
+    # A fixed base_port is the user's choice: no other port is tried.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cfg = ServerConfig(model_path="/m", log_dir=str(tmp_path / "fixed"), startup_timeout_s=60,
+                           base_port=busy.getsockname()[1])
+        with pytest.raises(RuntimeError, match="before it was healthy"):
+            launch_servers(cfg)
+
+
+def test_free_ports_come_from_below_the_ephemeral_range():
+    from areal_mcore.net import _ephemeral_start, free_port
+
+    assert all(10_000 <= free_port() < _ephemeral_start() for _ in range(20))

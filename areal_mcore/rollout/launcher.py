@@ -46,8 +46,9 @@ class ServerConfig:
     # The interpreter that runs the server; None: this one (vLLM on CPU: .venv-vllm).
     python: str | None = None
     # vLLM only: its weight-transfer engine (auto: nccl with CUDA, else our areal_gloo
-    # plugin), an explicit KV cache size (CPU: --gpu-memory-utilization is a fraction of
-    # host memory) and eager mode (no torch.compile: starts ~40 s sooner on CPU).
+    # plugin), the KV cache size (None: mem_fraction_static on GPU; on CPU, where that is a
+    # fraction of the host's memory, sized from the run: engines/vllm.py cpu_kv_cache_bytes)
+    # and eager mode (no torch.compile: starts ~40 s sooner on CPU).
     weight_transfer_backend: str = "auto"
     kv_cache_memory_mb: float | None = None
     enforce_eager: bool = False
@@ -112,6 +113,11 @@ class ServerProcess:
         raise TimeoutError(f"rollout server {self.address} not healthy after {timeout_s:.0f} s; "
                            f"log {self.log_path}:\n{self.log_tail()}")
 
+    def lost_its_port(self) -> bool:
+        """Whether the server exited because its port was taken (uvicorn, aiohttp and
+        SGLang all end with errno 98's message)."""
+        return self.proc.poll() is not None and "address already in use" in self.log_tail(50).lower()
+
     def log_tail(self, lines: int = 20) -> str:
         with open(self.log_path, "rb") as f:
             return b"".join(f.readlines()[-lines:]).decode(errors="replace")
@@ -144,16 +150,32 @@ def launch_servers(cfg: ServerConfig, *, default_log_dir: str | None = None,
     log_dir = cfg.log_dir or default_log_dir or "logs/rollout"
     servers: list[ServerProcess] = []
     env = engine_for(cfg.backend).env(cfg, dict(os.environ) if env is None else env)
+
+    def start(i: int) -> ServerProcess:
+        port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
+        return ServerProcess(server_command(cfg, port=port, seed=cfg.seed + i), host=cfg.host,
+                             port=port, log_path=os.path.join(log_dir, f"server{i}.log"), env=env)
+
     try:
         for i in range(cfg.n_servers):
-            port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
-            servers.append(ServerProcess(
-                server_command(cfg, port=port, seed=cfg.seed + i), host=cfg.host, port=port,
-                log_path=os.path.join(log_dir, f"server{i}.log"), env=env))
-        for s in servers:
-            s.wait_healthy(cfg.startup_timeout_s)
+            servers.append(start(i))
+        for i in range(cfg.n_servers):
+            # A picked port can be taken before the server binds it (net.free_port): a
+            # server that died of that alone is started again on another port.
+            for retry in range(_BIND_RETRIES + 1):
+                try:
+                    servers[i].wait_healthy(cfg.startup_timeout_s)
+                    break
+                except RuntimeError:
+                    if cfg.base_port or retry == _BIND_RETRIES or not servers[i].lost_its_port():
+                        raise
+                    servers[i].stop(grace_s=0)
+                    servers[i] = start(i)
     except BaseException:
         for s in servers:
             s.stop(grace_s=2)
         raise
     return servers
+
+
+_BIND_RETRIES = 2
