@@ -124,7 +124,11 @@ def test_pool_scores_in_order_and_validates_lengths():
 
 
 def test_overrunning_item_is_killed_counted_and_its_worker_replaced():
-    slow = f"{B}{{" + "+".join(["x"] * 450) + "}"  # ~1.7 s of parsing, past a 0.5 s deadline
+    # 9^387420489: verifying it runs until a timeout cuts it (measured: 30 s at a 30 s
+    # timeout). A long sum (the old item) was slow only while the worker's LaTeX parser
+    # warmed up (0.9 s the first time, 0.01 s after), and scored inside the deadline once
+    # the parser was warm.
+    slow = f"{B}{{9^{{9^{{9}}}}}}"
     before = set(_children())
     with RewardPool(RewardPoolConfig(num_workers=2, timeout_s=0.5)) as pool:
         first = pool.worker_pids()
