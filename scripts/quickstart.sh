@@ -16,12 +16,12 @@ fi
 # A fresh PPO run each time (the SFT model and assets are reused).
 rm -rf "$RUN/stats.jsonl" "$RUN/eval.jsonl" "$RUN/tensorboard" "$RUN/hf" "$RUN/curves.png" "$RUN/trace.json" \
   "$RUN/rollouts" "$RUN/checkpoints"
-# vLLM on CPU: an explicit KV size (its memory fraction is of the whole host) and eager
-# mode (no torch.compile: starts sooner); the embedded server ignores both keys.
+# vLLM on CPU: eager mode (no torch.compile: starts sooner; the embedded server ignores
+# it); its KV cache is sized from the run (server.kv_cache_memory_mb unset).
 # Without the vLLM venv (`make install` creates it on machines without a GPU) the run
 # falls back to the embedded server.
 if [ -x .venv-vllm/bin/python ]; then
-  SERVER=(server.backend=vllm server.kv_cache_memory_mb=256 server.enforce_eager=true)
+  SERVER=(server.backend=vllm server.enforce_eager=true)
 else
   echo "no .venv-vllm (make install-vllm): rollouts on the embedded server"
   SERVER=(server.backend=embedded)

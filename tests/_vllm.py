@@ -6,6 +6,7 @@ import os
 
 import pytest
 from _rollout import rollout_servers
+from _tiers import needs
 
 from areal_mcore.rollout.engines.vllm import default_python
 
@@ -13,6 +14,7 @@ from areal_mcore.rollout.engines.vllm import default_python
 def require_vllm() -> str:
     """The vLLM venv's interpreter. Skips without it, or fails under ``make test``
     (AREAL_REQUIRE_SYSDEPS=1), whose ``make install`` creates it."""
+    needs("venv")
     python = default_python()
     if not os.path.exists(python):
         message = f"{python} not found: the vLLM venv is missing (`make install-vllm` creates it)"
@@ -23,8 +25,8 @@ def require_vllm() -> str:
 
 
 def vllm_servers(model_path: str, log_dir: str, n: int = 1, **overrides):
-    """Real vLLM servers (eager, a 64 MB KV cache) on a model from
-    ``tiny_hf_dir(root, seed, **VLLM_SHAPE)``."""
-    overrides = {"kv_cache_memory_mb": 64, "enforce_eager": True, "startup_timeout_s": 900, **overrides}
+    """Real vLLM servers (eager; the KV cache the launcher sizes from the run on CPU) on a
+    model from ``tiny_hf_dir(root, seed, **VLLM_SHAPE)``."""
+    overrides = {"enforce_eager": True, "startup_timeout_s": 900, **overrides}
     return rollout_servers(model_path, log_dir, n, backend="vllm", grace_s=10,
                            python=require_vllm(), **overrides)

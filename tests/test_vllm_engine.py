@@ -54,8 +54,34 @@ def test_launch_command_turns_on_what_the_rl_path_needs():
     assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "areal_gloo"}'
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--seed") + 1] == "3"
     assert VLLMEngine().env(cfg, {})["VLLM_SERVER_DEV_MODE"] == "1"
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(64 * 2**20)
 
 
+def test_on_cpu_the_kv_cache_is_sized_from_the_run_not_the_host(tmp_path, monkeypatch):
+    import json
+
+    import areal_mcore.rollout.engines.vllm as vllm
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128, "num_hidden_layers": 4}))
+    cfg = ServerConfig(model_path=str(tmp_path), backend="vllm", python="/py", dtype="float32",
+                       context_length=1024, max_running_requests=64)
+    cmd = server_command(cfg, port=5, seed=3)
+    # 64 sequences x 1024 tokens x (K and V x 4 layers x 2 KV heads x head_dim 32 x 4 bytes)
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(64 * 1024 * 2 * 4 * 2 * 32 * 4)
+    assert "--gpu-memory-utilization" not in cmd
+    small = server_command(ServerConfig(model_path=str(tmp_path), backend="vllm", python="/py",
+                                        dtype="bfloat16", context_length=64), port=5, seed=3)
+    assert small[small.index("--kv-cache-memory-bytes") + 1] == str(vllm.KV_FLOOR_MB * 2**20)
+    with pytest.raises(ValueError, match=r"config.json .*set server.kv_cache_memory_mb"):
+        server_command(ServerConfig(model_path=str(tmp_path / "hub/id"), backend="vllm", python="/py"),
+                       port=5, seed=3)
+    monkeypatch.setattr(vllm, "_on_cpu", lambda: False)  # a GPU server: SGLang-style fraction
+    cmd = server_command(cfg, port=5, seed=3)
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.9"
+
+
+@pytest.mark.venv
 def test_every_flag_we_pass_vllm_is_accepted_by_vllms_own_parser(tmp_path):
     """The launch flags and boba's eval flags, parsed by vLLM 0.32's CLI parser (in the
     vLLM venv; the same check `vllm serve` runs before it starts)."""

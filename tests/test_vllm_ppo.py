@@ -15,6 +15,8 @@ from _vllm import require_vllm
 
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
 
+pytestmark = [pytest.mark.server, pytest.mark.venv]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
 STEPS = 60
@@ -37,8 +39,7 @@ def test_a_short_tiny_ppo_run_on_vllm_raises_held_out_accuracy(tmp_path):
              f"trainer.log_dir={tmp_path / 'runs'}", "trainer.progress=false"]
     _cli("sft", "--config", CONFIG, *paths, "actor.optimizer.lr=3e-3", timeout=900)  # as make run
     _cli("train", "--config", CONFIG, *paths, f"model_path={sft_model}",
-         "server.backend=vllm", f"server.python={python}", "server.kv_cache_memory_mb=256",
-         "server.enforce_eager=true", f"actor.optimizer.lr={LR}",
+         "server.backend=vllm", f"server.python={python}", "server.enforce_eager=true", f"actor.optimizer.lr={LR}",
          f"trainer.total_steps={STEPS}", f"trainer.eval_freq={STEPS}", timeout=1800)
 
     run = tmp_path / "runs" / "tiny-cpu"

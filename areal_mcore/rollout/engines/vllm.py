@@ -71,12 +71,41 @@ def default_python() -> str:
     return os.path.join(root, DEFAULT_CPU_PYTHON)
 
 
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Bytes per KV element; "auto" takes the checkpoint's dtype, counted at its widest (fp32).
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+KV_FLOOR_MB = 64
+
+
+def cpu_kv_cache_bytes(cfg: ServerConfig) -> int:
+    """The KV cache a vLLM server on CPU needs for the run: every running sequence
+    (``server.max_running_requests``, vLLM's ``--max-num-seqs``) at the full
+    ``server.context_length``, times the model's K and V bytes per token, and at least
+    ``KV_FLOOR_MB``. Read from the checkpoint's ``config.json``."""
+    path = os.path.join(cfg.model_path, "config.json")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"server.kv_cache_memory_mb: vLLM on CPU sizes its KV cache from the "
+                         f"model's {path} ({e}); set server.kv_cache_memory_mb (MB) instead") from e
+    hf = hf.get("text_config", hf)
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    per_token = 2 * hf["num_hidden_layers"] * hf.get("num_key_value_heads", heads) * head_dim \
+        * _DTYPE_BYTES.get(cfg.dtype, 4)
+    return max(KV_FLOOR_MB * 2**20, cfg.max_running_requests * cfg.context_length * per_token)
+
+
 def transfer_backend(cfg: ServerConfig) -> str:
     if cfg.weight_transfer_backend != "auto":
         return cfg.weight_transfer_backend
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "areal_gloo"
+    return "areal_gloo" if _on_cpu() else "nccl"
 
 
 class VLLMEngine(Engine):
@@ -92,9 +121,12 @@ class VLLMEngine(Engine):
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
                "--weight-transfer-config", json.dumps({"backend": transfer_backend(cfg)})]
         if cfg.kv_cache_memory_mb:
-            # On CPU --gpu-memory-utilization is a fraction of the host's memory, which a
-            # shared node rarely has free; an explicit KV size is what a CPU server needs.
             cmd += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_memory_mb * 2**20))]
+        elif _on_cpu():
+            # On CPU --gpu-memory-utilization is a fraction of the whole host's memory
+            # (measured: 18.7 of 21.7 GiB for the tiny model), so a second process on the
+            # machine made the engine fail at start-up: size the cache from the run instead.
+            cmd += ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(cfg))]
         else:
             cmd += ["--gpu-memory-utilization", str(cfg.mem_fraction_static)]
         if cfg.skip_tokenizer_init:
