@@ -13,7 +13,8 @@ refused while requests run, ``min_new_tokens`` refused without a tokenizer.
 
 Fault injection for tests (never set in production): ``--fail-update N`` makes the N-th
 ``update_weights_from_distributed`` receive its tensors and then fail, as a failed load
-does in SGLang; ``--delay-group-init SUBSTR=SECONDS`` holds init calls whose group name
+does in SGLang; ``--die-at-update N`` SIGKILLs the server when the N-th arrives (a node
+lost mid-update, before that bucket's broadcast); ``--delay-group-init SUBSTR=SECONDS`` holds init calls whose group name
 contains SUBSTR before they queue (to force an arrival order between servers).
 """
 
@@ -23,6 +24,8 @@ import argparse
 import asyncio
 import datetime
 import logging
+import os
+import signal
 import uuid
 from dataclasses import dataclass
 
@@ -53,6 +56,7 @@ class ServerArgs:
     weight_version: str = "default"
     sglang_api: str = SGLANG_API_VERSION  # or "0.5.20": the old API (no update sessions)
     fail_update: int = 0  # fault injection (see the module docstring); 0: off
+    die_at_update: int = 0  # fault injection: 0: off
     delay_group_init: str | None = None  # fault injection: "SUBSTR=SECONDS"
 
     def __post_init__(self):
@@ -375,6 +379,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     if body.get("abort_all_requests"):
         engine.abort(abort_all=True, message="Aborted for a weight update")
     st.updates += 1
+    if st.updates == st.args.die_at_update:
+        os.kill(os.getpid(), signal.SIGKILL)
     inject = st.updates == st.args.fail_update
 
     def receive_and_load() -> str | None:
@@ -492,6 +498,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    help="the SGLang HTTP API to serve (0.5.20: no weight-update sessions)")
     p.add_argument("--fail-update", type=int, default=0,
                    help="fault injection: the N-th update_weights_from_distributed fails")
+    p.add_argument("--die-at-update", type=int, default=0,
+                   help="fault injection: SIGKILL at the N-th update_weights_from_distributed")
     p.add_argument("--delay-group-init", default=None, metavar="SUBSTR=SECONDS",
                    help="fault injection: delay init calls whose group name contains SUBSTR")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
