@@ -25,6 +25,8 @@ from areal_mcore.rollout.client import ClientConfig, RolloutClient
 from areal_mcore.rollout.launcher import ServerConfig
 from areal_mcore.rollout.protocol import SamplingParams
 
+pytestmark = [pytest.mark.server, pytest.mark.venv]
+
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 SERVED_SEED = 21  # the actors hold tiny_qwen2(seed 0): a sync must change the weights
 
@@ -145,6 +147,7 @@ def _sync_worker(rank, world, tp, pp, addresses, versions, disk_dir=None):
 
 
 @pytest.mark.parametrize("tp, pp, versions", [(2, 1, [3, 4]), (1, 2, [5])])
+@pytest.mark.multirank
 def test_sync_from_a_sharded_actor_makes_vllm_serve_the_actors_logprobs(servers, tp, pp, versions):
     addresses = [s.address for s in servers]
     before = [_greedy(a) for a in addresses]
@@ -162,6 +165,7 @@ def test_sync_from_a_sharded_actor_makes_vllm_serve_the_actors_logprobs(servers,
         assert (a - b).abs().max() > 1e-2
 
 
+@pytest.mark.multirank
 def test_a_disk_update_makes_vllm_serve_the_actors_logprobs(servers, tmp_path):
     """weight_sync.mode=disk: the HF export, loaded by vLLM's reload_weights on every worker."""
     addresses = [s.address for s in servers]
@@ -180,6 +184,7 @@ def test_a_disk_update_makes_vllm_serve_the_actors_logprobs(servers, tmp_path):
 REFUSED_FINISH = "finish_weight_update called without a matching start_weight_update"
 
 
+@pytest.mark.multirank
 def test_a_session_a_dead_trainer_left_open_is_closed_at_the_next_connect(servers):
     addresses = [s.address for s in servers]
     # Every connect so far found fresh or resumed servers: none was sent a finish it refuses
@@ -217,7 +222,11 @@ def _sync_while_generating_worker(rank, world, addresses, new_version):
             start = _generated_tokens(addresses)
             gen = asyncio.gather(*[c.generate(PROMPT[: 3 + i % 5], sampling, rid=f"r{i}")
                                  for i in range(32)])
-            await _until_generated(addresses, start + 32 * 160 // 16, gen)  # 1/16 of the batch
+            # 1/16 of each server's share: the requests of one server decode in lockstep,
+            # and the two servers did not start together (measured: one had 26 tokens per
+            # request when the other had 0 or 1; the whole-batch count then let the sync
+            # come when one server's requests were all done and the other's not begun).
+            await _until_generated(addresses, start, 16 * 160 // 16, gen)
             await syncer.push(new_version)
             outs = await gen
         await syncer.close()
@@ -226,26 +235,31 @@ def _sync_while_generating_worker(rank, world, addresses, new_version):
     return asyncio.run(go())
 
 
-def _generated_tokens(addresses) -> float:
-    """vLLM's own count of generated tokens (its Prometheus counter), over all servers."""
-    total = 0.0
+def _generated_tokens(addresses) -> list[float]:
+    """vLLM's own count of generated tokens (its Prometheus counter), per server."""
+    counts = []
     for a in addresses:
-        for line in http(a, "GET", "/metrics")[1].splitlines():
-            if line.startswith("vllm:generation_tokens_total"):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+        lines = http(a, "GET", "/metrics")[1].splitlines()
+        counts.append(sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                          if line.startswith("vllm:generation_tokens_total")))
+    return counts
 
 
-async def _until_generated(addresses, tokens: float, gen: asyncio.Future) -> None:
-    """Mid-batch by vLLM's count, not by a sleep (one that ended before any token, or after
-    the last, made the sync test fail under load). Polled off the event loop, which serves
-    the batch's own requests."""
+async def _until_generated(addresses, start: list[float], tokens: float, gen: asyncio.Future) -> None:
+    """Mid-batch by vLLM's count on every server (``tokens`` more than ``start`` each), not
+    by a sleep (one that ended before any token, or after the last, made the sync test
+    fail under load). Polled off the event loop, which serves the batch's own requests."""
     deadline = time.monotonic() + 120
-    while await asyncio.to_thread(_generated_tokens, addresses) < tokens:
+
+    def behind() -> bool:
+        now = _generated_tokens(addresses)
+        return any(n - s < tokens for n, s in zip(now, start, strict=True))
+    while await asyncio.to_thread(behind):
         assert time.monotonic() < deadline and not gen.done(), "vLLM counted too few tokens"
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.multirank
 def test_a_sync_while_32_requests_generate_loses_none_and_tags_every_token(servers):
     addresses = [s.address for s in servers]
     old, outs = run_gloo(_sync_while_generating_worker, 2, addresses, 9)[0]
@@ -273,7 +287,7 @@ def test_kill_9_of_one_of_two_servers_mid_batch_completes_on_the_survivor(server
                                               retry_delay_s=0.5)) as c:
             start = _generated_tokens(addresses[1:])
             gen = asyncio.gather(*[c.generate(PROMPT, sampling, rid=f"k{i}") for i in range(32)])
-            await _until_generated(addresses[1:], start + 16 * 128 // 8, gen)  # mid-batch there
+            await _until_generated(addresses[1:], start, 16 * 128 // 8, gen)  # mid-batch there
             await asyncio.to_thread(servers[1].kill)
             return await gen
     outs = asyncio.run(go())
