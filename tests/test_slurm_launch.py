@@ -18,7 +18,7 @@ from _slurm import REPO, TERMINAL, require, require_cluster, run, state, steps, 
 
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.server]
 
 
 @pytest.fixture(scope="module")
@@ -85,17 +85,22 @@ def test_sbatch_run_requeued_mid_run_resumes_and_completes(assets, tmp_path):
 
 
 def test_time_limit_signal_checkpoints_requeues_and_resumes(assets, tmp_path):
-    """--time=2 with --signal=B:USR2@60: the warning comes 60-90 s into the try (Slurm
-    checks limits every ~30 s); the launcher asks the trainer to checkpoint, requeues the
-    job, and the next try resumes from that checkpoint. The run is too long to finish in
-    one try on any machine; the test ends it once the second try has gone on."""
-    job = _sbatch(_overrides(assets, tmp_path, "timelimit", 100_000), tmp_path, "--time=2", "--signal=B:USR2@60")
+    """The time-limit warning the boba scripts ask for (--signal=B:USR2@300: Slurm signals
+    the batch shell, which exec'd the launcher) is sent the way Slurm sends it, with
+    ``scancel --batch --signal=USR2``, once a step is logged, rather than by waiting out a
+    one-minute --time (Slurm checks limits every ~30 s: the warning came 60-90 s into the
+    try). The launcher asks the trainer to checkpoint, requeues the job, and the next try
+    resumes from that checkpoint. The run is too long to finish in one try on any machine;
+    the test ends it once the second try has gone on."""
+    job = _sbatch(_overrides(assets, tmp_path, "timelimit", 100_000), tmp_path, "--signal=B:USR2@300")
     run_dir, out = tmp_path / "timelimit", tmp_path / f"slurm-{job}.out"
+    _wait_rows(run_dir, 1, job)
+    run("scancel", "--batch", "--signal=USR2", job)
     deadline = time.monotonic() + 400
     try:
         while "requeueing job" not in (out.read_text() if out.exists() else ""):
             assert time.monotonic() < deadline and state(job) not in TERMINAL, state(job)
-            time.sleep(1)
+            time.sleep(0.5)
         checkpoint = _status(run_dir)["last_checkpoint"]
         stopped_at = int(checkpoint.rsplit("_", 1)[1])
         assert "time limit near (SIGUSR2)" in out.read_text() and stopped_at >= 1
@@ -103,7 +108,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(assets, tmp_path):
         while not (log.exists() and "resumed from" in log.read_text()
                    and _rows(run_dir)[-1]["step"] > stopped_at):
             assert time.monotonic() < deadline, "the requeued try did not resume"
-            time.sleep(1)
+            time.sleep(0.5)
     finally:
         subprocess.run(["scancel", job], check=False)
     assert f"resumed from {checkpoint} at step {stopped_at}" in log.read_text()
@@ -116,7 +121,12 @@ def test_a_job_past_its_restart_budget_fails_with_the_reason(assets, tmp_path):
     """Node failures and preemptions requeue the job (Slurm does, with --requeue); the
     launcher refuses to start a try past launch.max_restarts instead of looping forever."""
     job = _sbatch(_overrides(assets, tmp_path, "budget", 100_000) + ["launch.max_restarts=0"], tmp_path)
-    _wait_rows(tmp_path / "budget", 1, job)
+    # Requeued as soon as the first try's launcher runs: the budget is checked when a try
+    # starts, so steps of the first try prove nothing here.
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "budget" / "slurm" / "status.json").is_file():
+        assert time.monotonic() < deadline and state(job) not in TERMINAL, state(job)
+        time.sleep(0.2)
     run("scontrol", "requeue", job)
     assert wait(job, 300) == "FAILED"
     status = _status(tmp_path / "budget")
