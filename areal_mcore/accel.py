@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -50,3 +51,31 @@ def detect() -> Accelerators:
         transformer_engine=cuda and _imports("transformer_engine.pytorch"),
         apex=cuda and _imports("apex.optimizers"),
     )
+
+
+# megatron-core warns once per importing module when TE/apex are missing (six warnings with
+# their source lines at every rank's start-up, on every CPU run) and once about its own
+# default cuda_graph_scope ("full"); what they say is the one line `fallbacks` returns.
+_KNOWN_WARNINGS = (
+    r"Transformer Engine and Apex are not installed\. Falling back to ",
+    r"Apex is not installed\. Falling back to Torch Norm",
+    r"full scope is deprecated\. Use empty cuda_graph_scope",
+)
+
+
+def quiet_known_warnings() -> None:
+    """Filters megatron-core's accelerator-fallback warnings (call before importing it)."""
+    for pattern in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
+
+
+def fallbacks(found: Accelerators) -> str | None:
+    """One line naming the missing accelerators and what runs instead; None if none is."""
+    missing = [what for what, ok in (
+        ("TransformerEngine (layer spec, fused attention: megatron's local spec instead)",
+         found.transformer_engine),
+        ("apex (fused Adam and RMSNorm: torch's instead)", found.apex)) if not ok]
+    if not missing:
+        return None
+    why = "" if found.cuda else "no CUDA, so "
+    return f"accelerators: {why}not using " + "; ".join(missing)

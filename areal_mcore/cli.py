@@ -456,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     add_launch_parsers(sub)
     add_plan_parsers(sub)
     a = parser.parse_args(argv)
+    from areal_mcore.accel import quiet_known_warnings
+
+    quiet_known_warnings()  # before megatron-core is imported; the actor says it in one line
     try:
         return {"convert": run_convert, "filter": run_filter, "train": run_train,
                 "sft": run_train, "eval": run_eval, "launch": run_launch, "plan": run_plan}[a.command](a)

@@ -70,6 +70,8 @@ class MegatronActor:
         self.groups: ParallelGroups = init_parallel(cfg.parallel, seed)
         g = self.groups
         found = accel.detect()
+        if dist.get_rank() == 0 and (line := accel.fallbacks(found)):
+            print(line, flush=True)
         check_bound()  # megatron allocates on torch.cuda.current_device(): it must be LOCAL_RANK's
         self.device = torch.device("cuda", torch.cuda.current_device()) if found.cuda else torch.device("cpu")
         self.padded_vocab = padded_vocab_size(self.args.vocab_size, g.tp_size, cfg.vocab_divisible_by)
