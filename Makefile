@@ -11,8 +11,8 @@ VENV_FLAGS ?=
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install disk-install disk-test disk-019 install-vllm install-mcore019 test-mcore019 sysdeps sglang-wheels test lint run bench clean \
-	slurm-up slurm-down
+.PHONY: install disk-install disk-test disk-019 install-vllm install-mcore019 test-mcore019 sysdeps sglang-wheels test \
+	test-deps test-main test-fast lint run bench clean slurm-up slurm-down
 
 # The vLLM venv (install-vllm, below) is on by default where there is no GPU (nvidia-smi).
 # Defined before the rule: make expands a rule's prerequisites as it reads the line.
@@ -88,16 +88,23 @@ MCORE019_SPEC ?= megatron-core==0.19.2
 WHEELS019 ?= $(HOME)/.cache/areal-mcore/wheels-cp312
 PY019 := $(VENV019)/bin/python
 STAMP019 := $(VENV019)/.installed
+BASE019 := $(VENV019)/.base-$(subst ==,-,$(TORCH019_SPEC))-$(subst ==,-,$(MCORE019_SPEC))
 FROZEN019 = $(PY019) -m pip freeze | grep -E '^(torch|megatron-core)=='
 
 install-mcore019: disk-019 $(STAMP019)
 
-$(STAMP019): setup.py Makefile
+# torch and megatron-core (the ~3 GB part) install beside the other venvs under `make -j`;
+# the editable install of this tree waits for the main venv's (order-only prerequisite):
+# both build into the same source folder (areal_mcore.egg-info).
+$(BASE019):
 	test -x $(PY019) || $(PY312) -m venv $(VENV019)
 	$(PY019) -m pip install --quiet --upgrade pip
 	$(PY019) -m pip download --quiet --dest $(WHEELS019) "$(TORCH019_SPEC)" "$(MCORE019_SPEC)"
 	$(PY019) -m pip install --quiet --no-index --find-links $(WHEELS019) \
 	  "$(TORCH019_SPEC)" "$(MCORE019_SPEC)"
+	touch $@
+
+$(STAMP019): $(BASE019) setup.py Makefile | $(STAMP)
 	$(FROZEN019) > $(VENV019)/before.txt
 	grep '^torch==' $(VENV019)/before.txt > $(VENV019)/torch-constraint.txt
 	$(PY019) -m pip install --quiet -c $(VENV019)/torch-constraint.txt -e ".[dev]"
@@ -129,7 +136,8 @@ MCORE_DESELECT ?= $(addprefix --deselect tests/,\
 	test_weight_sync.py::test_a_sync_while_requests_generate_tags_every_token_with_its_version_in_each_pause_mode \
 	test_ppo_e2e.py::test_async_ppo_run_at_the_tiny_runs_load_stays_within_max_head_offpolicyness)
 test-mcore019: install install-mcore019
-	AREAL_MCORE_OTHER_PY=$(abspath $(PY)) $(PY019) -m pytest $(MCORE_TESTS) $(MCORE_DESELECT) $(PYTEST_ARGS)
+	AREAL_MCORE_OTHER_PY=$(abspath $(PY)) $(PY019) -m pytest $(MCORE_TESTS) $(MCORE_DESELECT) \
+	  -n $(MCORE_WORKERS) $(XDIST) $(PYTEST_ARGS)
 
 # What the suite needs from the system (root, or sudo): a real Slurm cluster on this
 # machine (2 virtual nodes, accounting) and shellcheck for the sbatch scripts.
@@ -141,7 +149,7 @@ sysdeps: slurm-up
 # is never installed or imported as a package). Downloaded once per machine.
 SGLANG_WHEELS ?= $(HOME)/.cache/areal-mcore/sglang
 SGLANG_VERSIONS := 0.5.23 0.5.20
-sglang-wheels: install
+sglang-wheels: $(STAMP)
 	@mkdir -p $(SGLANG_WHEELS)
 	@for v in $(SGLANG_VERSIONS); do \
 	  ls $(SGLANG_WHEELS)/sglang-$$v-*.whl >/dev/null 2>&1 || \
@@ -154,11 +162,32 @@ slurm-up:
 slurm-down:
 	bash scripts/slurm_local_down.sh
 
+# The suite's tiers are pytest markers (tests/_tiers.py says what each one needs).
+# test-fast: no server, Slurm, second venv, multi-rank launch or minutes-long test; for
+# day-to-day work (~1.5 min on 2 cores after install).
+FAST_TIER := not (slow or slurm or server or multirank or venv)
+# Much of the suite waits (server starts, Slurm, sockets), so it runs in xdist workers, a
+# test module per worker at a time (its module-scoped servers start once), the Slurm
+# tests in one group (they share the cluster's two nodes), the longest groups first
+# (tests/conftest.py).
+TEST_WORKERS ?= 2
+MCORE_WORKERS ?= 2
+XDIST = --dist loadgroup --no-loadscope-reorder
+test-fast: install sglang-wheels
+	SGLANG_WHEELS=$(SGLANG_WHEELS) $(PY) -m pytest -m "$(FAST_TIER)" -n 2 --dist loadgroup \
+	  --no-loadscope-reorder $(PYTEST_ARGS)
+
 # AREAL_REQUIRE_SYSDEPS: Slurm/shellcheck tests fail instead of skipping when missing.
-# Then the megatron tests again at the 0.19 end of setup.py's range (test-mcore019).
-test: disk-test install sysdeps sglang-wheels install-mcore019
-	AREAL_REQUIRE_SYSDEPS=1 SGLANG_WHEELS=$(SGLANG_WHEELS) $(PY) -m pytest $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory test-mcore019
+test-main: install sysdeps sglang-wheels
+	AREAL_REQUIRE_SYSDEPS=1 SGLANG_WHEELS=$(SGLANG_WHEELS) $(PY) -m pytest -n $(TEST_WORKERS) $(XDIST) \
+	  $(PYTEST_ARGS)
+
+test-deps: install sysdeps sglang-wheels install-mcore019
+
+# Installs side by side, then the whole suite (test-main) beside the megatron tests at the
+# 0.19 end of setup.py's range (test-mcore019); ends with one line of wall time per stage.
+test: disk-test
+	@MAKE="$(MAKE)" bash scripts/test_stages.sh
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -40,7 +40,7 @@ EXTRAS_REQUIRE = {
     # triton: the kernels' tests run it on CPU through its interpreter (3.9 is tested;
     # GPU installs get it with CUDA torch anyway).
     # msgspec + pydantic: the contract tests run SGLang's own request structs (tests/_sglang.py).
-    "dev": ["pytest", "hypothesis", "pytest-timeout", "ruff", "triton", "msgspec", "pydantic", "wandb"],
+    "dev": ["pytest", "hypothesis", "pytest-timeout", "pytest-xdist", "ruff", "triton", "msgspec", "pydantic", "wandb"],
     # trainer.wandb (trainer/wandb_log.py); imported only when trainer.wandb.mode is not disabled.
     "wandb": ["wandb"],
 }

@@ -7,6 +7,7 @@ import pickle
 import traceback
 from queue import Empty
 
+import _tiers
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -14,9 +15,10 @@ from areal_mcore.devices import bind_local_device
 from areal_mcore.net import free_port
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, test_marks=None):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
+        _tiers.guard_server_launches(test_marks)
         bind_local_device({"LOCAL_RANK": str(rank)})  # a no-op without CUDA
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
@@ -37,11 +39,13 @@ def run_gloo(fn, world_size: int = 2, *args) -> list:
     ``fn`` must be a module-level function (it is pickled into spawned processes); the
     default group is the world, and ``fn`` passes ``dist.group.WORLD`` on explicitly.
     """
+    if world_size > 1:
+        _tiers.needs("multirank")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, _tiers.marks()))
         for r in range(world_size)
     ]
     for p in procs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+from _tiers import needs
 from _tiny_model import tiny_qwen2
 
 EOS = 7
@@ -29,6 +30,7 @@ def rollout_servers(model_path: str, log_dir: str, n: int = 1, *, backend: str =
     """``n`` servers of ``backend`` on ``model_path`` (fp32, 256-token context), stopped on exit."""
     from areal_mcore.rollout.launcher import ServerConfig, launch_servers
 
+    needs("server")
     overrides = {"dtype": "float32", "context_length": 256, "startup_timeout_s": 120, **overrides}
     cfg = ServerConfig(model_path=model_path, backend=backend, n_servers=n, log_dir=log_dir, **overrides)
     servers = launch_servers(cfg, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _tiers import needs
 
 REPO = Path(__file__).resolve().parent.parent
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
@@ -26,6 +27,7 @@ def require(tool: str, what: str) -> None:
 
 
 def require_cluster() -> None:
+    needs("slurm")
     require("sinfo", "the local Slurm cluster is not installed")
     ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
     if "is UP" not in ping.stdout:

@@ -1,8 +1,16 @@
 import os
 
-import torch
+# No oversubscription of the 2-core CI machine, in this process and in every one it starts
+# (servers, gloo ranks, CLI runs, vLLM): each reads OMP_NUM_THREADS when torch loads
+# OpenMP, so it is set before any import of torch. Under xdist, OpenMP pools of 2 threads
+# per process spin-waited on each other: the same vLLM PPO test took 544 s beside other
+# tests and 138 s alone.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Deterministic, and no oversubscription of the 2-core CI machine.
+import _tiers  # noqa: E402
+import torch  # noqa: E402
+
+# Deterministic, and one intra-op thread here too.
 torch.manual_seed(0)
 torch.set_num_threads(1)
 
@@ -18,3 +26,32 @@ from hypothesis import settings  # noqa: E402
 # Same examples on every run (CI must be deterministic); no example database on disk.
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.load_profile("deterministic")
+
+
+_tiers.guard_server_launches()
+
+
+def pytest_runtest_setup(item):
+    _tiers.current = item  # before the item's fixtures: a module fixture's server is checked too
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (`make test`: `-n N --dist loadgroup`) a module runs on one worker, so
+    its module-scoped servers start once; the Slurm tests share one group, as they share
+    the cluster's two nodes. Groups that take longest go first."""
+    for item in items:
+        group = "slurm" if item.get_closest_marker("slurm") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+    weight = {"slurm": 0, "server": 1, "slow": 2, "multirank": 3}
+
+    def rank(item):
+        marks = [weight[m.name] for m in item.iter_markers() if m.name in weight]
+        return min(marks, default=len(weight))
+    first = {}
+    for item in items:  # a group's rank is its heaviest test's; order within a group is kept
+        group = item.get_closest_marker("xdist_group").args[0]
+        first[group] = min(first.get(group, len(weight)), rank(item))
+    items.sort(key=lambda item: first[item.get_closest_marker("xdist_group").args[0]])
+
+
+import pytest  # noqa: E402

@@ -86,7 +86,7 @@ def forward_tp2():
     return run_gloo(_logits_worker, 2, 2, False)[0]
 
 
-@pytest.mark.parametrize("results", ["forward_tp1", "forward_tp2"])
+@pytest.mark.parametrize("results", ["forward_tp1", pytest.param("forward_tp2", marks=pytest.mark.multirank)])
 def test_megatron_logits_equal_transformers_logits(results, request):
     logits, _, _, _ = request.getfixturevalue(results)
     ref_logits, _ = _hf_reference(_seqs())
@@ -98,7 +98,7 @@ def test_packed_thd_forward_equals_separate_forwards(forward_tp1):
     assert (packed - separate).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("results", ["forward_tp1", "forward_tp2"])
+@pytest.mark.parametrize("results", ["forward_tp1", pytest.param("forward_tp2", marks=pytest.mark.multirank)])
 def test_compute_logprobs_equals_transformers_log_softmax(results, request):
     *_, logp = request.getfixturevalue(results)
     _, ref = _hf_reference(_seqs())
@@ -137,6 +137,7 @@ def _assert_same_step(results, reference):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_train_step_tp2_pp2_equals_single_process(reference_step, tmp_path):
     from areal_mcore.convert.tools import load_hf_state_dict
 
@@ -153,6 +154,7 @@ def test_train_step_tp2_pp2_equals_single_process(reference_step, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_train_step_dp2_equals_single_process(reference_step):
     _assert_same_step(run_gloo(_train_worker, 2, 1, 1), reference_step)
 

@@ -133,6 +133,7 @@ def _synced_worker(rank, world_size):
     return lens, own, bins
 
 
+@pytest.mark.multirank
 def test_synced_allocator_makes_dp_ranks_agree_on_count():
     (lens0, own0, bins0), (lens1, own1, bins1) = run_gloo(_synced_worker, 2)
     assert own0 < own1, "the ranks should need different counts on their own"

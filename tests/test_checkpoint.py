@@ -63,6 +63,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(uninterrupted, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_resume_with_another_dp_size_is_close(uninterrupted, tmp_path):
     results = run_gloo(_train_worker, 2, str(tmp_path), False, SAVE_AT)
     assert results[0][0] == results[1][0]

@@ -7,6 +7,7 @@ import ast
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_gloo
@@ -16,6 +17,8 @@ from test_dispatch import _samples
 from areal_mcore import collectives
 from areal_mcore.algo.config import NormConfig, PPOConfig
 from areal_mcore.trainer.dispatch import RolloutShard
+
+pytestmark = pytest.mark.multirank
 
 ROOT = Path(__file__).resolve().parents[1]
 COLLECTIVES = {

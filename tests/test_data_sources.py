@@ -94,6 +94,7 @@ def _first_step(rank, world, overrides):
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_parquet_and_saved_folder_train_like_the_jsonl(tmp_path):
     from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
 

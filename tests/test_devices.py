@@ -103,6 +103,7 @@ def _torchrun_rank(rank: int, world: int, port: int, queue, overrides: list[str]
         queue.put((rank, None, None, traceback.format_exc()))
 
 
+@pytest.mark.multirank
 def test_torchrun_ranks_bind_their_own_gpu_before_the_process_group_and_actor(tmp_path):
     from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
 

@@ -72,6 +72,7 @@ def _dispatch_rank(rank, world, samples, n):
     return d.heads, _as_lists(shard), st.bytes_sent, st.bytes_received
 
 
+@pytest.mark.multirank
 def test_each_replica_receives_only_its_groups_once_then_its_model_parallel_peers():
     n = 4
     samples = _samples(6, n)
@@ -125,6 +126,8 @@ def _ppo_rank(rank, world, overrides, pickled):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.server
 def test_ppo_at_dp2_with_dispatch_trains_bitwise_like_the_pickled_broadcast(tmp_path):
     assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=64, n_test=8,
                                                 hidden_size=64, intermediate_size=128, num_layers=2))

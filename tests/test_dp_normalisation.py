@@ -8,6 +8,8 @@ from _dist import run_gloo
 from areal_mcore.algo import normalize, ppo_actor_loss, reduce_ppo_stats
 from areal_mcore.packing import allocate_micro_batches, pack
 
+pytestmark = pytest.mark.multirank
+
 N_SEQS = 12
 
 

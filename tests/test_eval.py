@@ -227,6 +227,7 @@ def test_eval_cli_without_data_names_the_flag(capsys):
     assert "give --data a.jsonl[,b.jsonl]" in capsys.readouterr().err
 
 
+@pytest.mark.server
 def test_eval_end_to_end_two_datasets_against_an_embedded_server(assets, tmp_path, capsys):
     rows = [json.loads(line) for line in open(assets["test"])]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))

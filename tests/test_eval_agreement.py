@@ -20,6 +20,8 @@ import pytest
 
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
 
+pytestmark = pytest.mark.server
+
 REPO = Path(__file__).parents[1]
 
 

@@ -180,6 +180,7 @@ def tp2():
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
 @pytest.mark.parametrize("vocab_size", [1000, 400])
+@pytest.mark.multirank
 def test_tp2_vocab_shards_on_gloo_match_the_full_vocab(tp2, kernel, vocab_size):
     want = _reference(*_inputs(T_TP, V_PADDED, vocab_size, seed=3), vocab_size=vocab_size,
                       temperature=0.7)
@@ -191,6 +192,7 @@ def test_tp2_vocab_shards_on_gloo_match_the_full_vocab(tp2, kernel, vocab_size):
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.multirank
 def test_token_logprobs_equals_megatron_vocab_parallel_cross_entropy_tp2(tp2, kernel):
     for rank in tp2:
         logp_T, grad_TV = rank["token_logprobs", kernel]

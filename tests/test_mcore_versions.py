@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tiers import needs
 from _tiny_model import tiny_qwen2
 from safetensors.torch import load_file
 
@@ -26,6 +27,7 @@ RUN = Path(__file__).with_name("_mcore_run.py")
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.venv,
     pytest.mark.skipif(not OTHER_PY, reason="AREAL_MCORE_OTHER_PY (another venv's python) is "
                        "unset; `make test` sets it in its megatron-core 0.19 run"),
 ]
@@ -45,6 +47,7 @@ def _run_all(jobs: list[tuple[str, list[str]]]) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{"this"|"other": {"train": dir, "resume": dir}}; each resumes the other's checkpoint."""
+    needs("venv")
     root = tmp_path_factory.mktemp("mcore_versions")
     # One set of initial weights for both (the venvs' transformers may init differently).
     _, _, model = tiny_qwen2(vocab=250)

@@ -114,6 +114,7 @@ def _dp_worker(rank, world, shards, masks):
     return out
 
 
+@pytest.mark.multirank
 def test_normalize_batch_levels_over_two_dp_ranks_equal_the_reference_on_the_whole_batch():
     rng = np.random.default_rng(3)
     shards = [np.float32(rng.normal(1.0, 2.0, n)) for n in (7, 12)]  # uneven shares

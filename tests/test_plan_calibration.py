@@ -108,6 +108,7 @@ PAIR = [_case(),  # DP 2: the Adam shard halves
 
 
 @pytest.mark.parametrize("world, cases", [(1, SINGLE), (2, PAIR)], ids=["one_rank", "two_ranks"])
+@pytest.mark.multirank
 def test_planner_predicts_measured_activation_and_state_bytes(world, cases):
     report = []
     _check(cases, run_gloo(_worker, world, cases), report)

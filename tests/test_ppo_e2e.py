@@ -12,6 +12,8 @@ from _dist import run_gloo
 from areal_mcore.config import load_config
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
 
+pytestmark = pytest.mark.server
+
 
 def _ppo_worker(rank, world, overrides):
     from areal_mcore.trainer.ppo import train
@@ -31,6 +33,7 @@ def _overrides(assets, tmp_path, name: str, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_two_rank_ppo_run_computes_rewards_trains_and_syncs_every_step(tmp_path):
     assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=64, n_test=8,
                                                 hidden_size=64, intermediate_size=128, num_layers=2))

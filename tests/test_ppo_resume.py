@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import _tiers
 import psutil
 import pytest
 import torch.multiprocessing as mp
@@ -17,6 +18,8 @@ from _rollout import embedded_servers
 from areal_mcore.config import load_config
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
 from areal_mcore.net import free_port
+
+pytestmark = [pytest.mark.server, pytest.mark.multirank]
 
 STEPS = 4
 
@@ -64,7 +67,8 @@ def test_killed_run_resumes_with_the_same_rewards_and_losses(tmp_path):
         stats = tmp_path / "b" / "resume" / "stats.jsonl"
         ctx, port = mp.get_context("spawn"), free_port()
         queue = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(r, 2, port, _ppo_worker, (overrides,), queue))
+        procs = [ctx.Process(target=_worker, args=(r, 2, port, _ppo_worker, (overrides,), queue,
+                                                       _tiers.marks()))
                  for r in range(2)]
         for p in procs:
             p.start()

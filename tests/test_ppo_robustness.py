@@ -76,6 +76,7 @@ def dp_results():
     return run_gloo(_dp_worker, 2)
 
 
+@pytest.mark.multirank
 def test_dp2_with_three_sequences_and_four_minibatches_trains_and_counts_the_empty_response(dp_results):
     (r0, r1) = (r["first"] for r in dp_results)
     assert r0["loss"] == r1["loss"] and len(r0["loss"]) == 4
@@ -88,6 +89,7 @@ def test_dp2_with_three_sequences_and_four_minibatches_trains_and_counts_the_emp
     assert r0["stats"]["empty_responses"] == 1 and r1["stats"] == r0["stats"]
 
 
+@pytest.mark.multirank
 def test_a_nan_loss_raises_on_every_rank_naming_step_and_minibatch_before_the_optimizer_steps(dp_results):
     for r in dp_results:
         assert r["nan_error"] is not None and "step 2, minibatch 1/4" in r["nan_error"]
@@ -123,6 +125,7 @@ def test_minus_inf_and_nan_rollout_logprobs_give_the_gradient_of_those_tokens_ma
     assert math.isfinite(bad["stats"]["behav_imp_weight_max"])
 
 
+@pytest.mark.multirank
 def test_a_dp_rank_without_any_sample_takes_part_with_zero_loss_tokens(dp_results):
     (r0, r1) = (r["alone"] for r in dp_results)
     assert r0["loss"] == r1["loss"] and r0["grad_norm"] == r1["grad_norm"]
@@ -131,6 +134,8 @@ def test_a_dp_rank_without_any_sample_takes_part_with_zero_loss_tokens(dp_result
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.server
 def test_the_ppo_loop_on_dp2_with_three_sequences_and_four_minibatches(tmp_path):
     from test_ppo_e2e import _overrides, _ppo_worker
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import pytest
 from _rollout import embedded_servers, tiny_hf_dir
 
 from areal_mcore.rollout.client import ClientConfig, RolloutClient
 from areal_mcore.rollout.protocol import SamplingParams
 
 
+@pytest.mark.server
 def test_kill_9_one_of_two_servers_mid_batch_loses_and_duplicates_nothing(tmp_path):
     model = tiny_hf_dir(str(tmp_path), seed=4)
     prompts = [[10 + i % 50, 20 + i % 37, 30 + i % 11] for i in range(64)]

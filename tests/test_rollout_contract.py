@@ -309,6 +309,7 @@ def server(tmp_path_factory):
         yield s[0]
 
 
+@pytest.mark.server
 def test_embedded_server_answers_with_sglang_field_names(server):
     a = server.address
     assert http(a, "GET", "/health")[0] == 200
@@ -345,6 +346,7 @@ def test_embedded_server_answers_with_sglang_field_names(server):
     assert status == 400 and set(out) == {"success", "message"} and out["success"] is False
 
 
+@pytest.mark.server
 def test_embedded_old_api_routes_are_a_subset_of_sglang_0_5_20s(tmp_path):
     """``--sglang-api 0.5.20`` serves no route 0.5.20 lacks, and none of the session routes."""
     model = tiny_hf_dir(str(tmp_path), seed=2)

@@ -13,6 +13,8 @@ from areal_mcore.reward.pool import RewardPool, RewardPoolConfig
 from areal_mcore.rollout.client import ClientConfig, RolloutClient
 from areal_mcore.rollout.controller import RolloutConfig, RolloutController
 
+pytestmark = pytest.mark.server
+
 # ~4 % of tokens stop a sample: lengths vary, so groups finish out of submission order.
 STOPS = list(range(0, 250, 25))
 

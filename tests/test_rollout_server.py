@@ -17,6 +17,8 @@ from areal_mcore.rollout.launcher import ServerConfig
 from areal_mcore.rollout.server import parse_args
 from areal_mcore.weight_sync.group import destroy_update_group, init_update_group
 
+pytestmark = pytest.mark.server
+
 KEY = "s3cret"
 
 

@@ -8,6 +8,8 @@ from _dist import run_gloo
 from areal_mcore.actor.memory import SavedActivationMeter
 from areal_mcore.packing import pack
 
+pytestmark = pytest.mark.multirank
+
 
 def _step(rank, world, tp, pp, sp):
     actor = tiny_actor(tp=tp, pp=pp, cap=24, sp=sp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _dist import run_gloo
 
@@ -62,6 +63,7 @@ def _sft_worker(rank, world):
     return train_sft(actor, sft_pairs(problems, tok), steps=30, batch_size=16)
 
 
+@pytest.mark.multirank
 def test_sft_on_two_dp_ranks_learns_the_answer_format():
     losses = run_gloo(_sft_worker, 2)
     assert losses[0] == losses[1]  # the loss is the same global token mean on both ranks

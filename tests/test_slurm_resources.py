@@ -6,7 +6,7 @@ import pytest
 from _slurm import run, wait
 from test_slurm_launch import _overrides, _sbatch, assets  # noqa: F401 - the module's fixture
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.server]
 
 
 def test_srun_steps_run_with_their_gpus_share_of_cpus_and_memory(assets, tmp_path):  # noqa: F811

@@ -11,6 +11,8 @@ import torch
 from _dist import run_gloo
 from _rollout import embedded_servers, http, tiny_hf_dir
 
+pytestmark = pytest.mark.server
+
 
 def _server_samples(model_dir, log_dir, temperature, n=4):
     prompts = [[5, 6, 9, 8], [11, 3, 40], [100, 2, 3, 4, 5], [17]]

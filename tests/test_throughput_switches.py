@@ -34,6 +34,7 @@ def _worker(rank, world):
     return [_two_steps(False, False), _two_steps(True, False), _two_steps(True, True)]
 
 
+@pytest.mark.multirank
 def test_overlapped_grad_reduce_and_param_gather_equal_plain_dp2():
     for plain, grad, both in run_gloo(_worker, 2):
         assert grad["ddp"] == (True, False) and both["ddp"] == (True, True)

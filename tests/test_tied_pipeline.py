@@ -14,6 +14,8 @@ from _tiny_model import tiny_qwen2
 
 from areal_mcore.packing import pack
 
+pytestmark = pytest.mark.multirank
+
 
 def _train_worker(rank, world, pp, hf_dir):
     from areal_mcore.convert.save_hf import save_hf
@@ -70,6 +72,7 @@ def _sync_worker(rank, world, address):
     return {k: v.clone() for k, v in actor.hf_state_dict().items()}
 
 
+@pytest.mark.server
 def test_pp2_tied_embeddings_sync_to_a_server_bitwise(tmp_path):
     _, _, model = tiny_qwen2(21, tie=True, vocab=VOCAB)  # the server starts from other weights
     model.save_pretrained(tmp_path / "hf")
@@ -92,6 +95,7 @@ def _ppo_worker(rank, world, overrides):
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_tiny_ppo_run_at_pp2_with_tied_embeddings_equals_pp1(tmp_path):
     """The new user's command (`train --config configs/tiny_cpu.yaml actor.parallel.pp=2`)
     in CI size: rollouts, rewards, training, weight sync and the HF export, step for step

@@ -14,6 +14,8 @@ from _tiny_model import tiny_qwen2
 
 from areal_mcore.packing import pack
 
+pytestmark = [pytest.mark.multirank, pytest.mark.server]
+
 
 def _worker(rank, world, pp, first, hf_dir, address):
     from areal_mcore.convert.save_hf import save_hf

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import _tiers
 import pytest
 import torch.multiprocessing as mp
 from _dist import _worker, run_gloo
@@ -51,6 +52,7 @@ def _ppo_worker(rank, world, overrides):
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_offline_run_history_matches_stats_and_a_resumed_run_logs_each_step_once(tmp_path, monkeypatch):
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing outside tmp_path
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
@@ -72,7 +74,8 @@ def test_offline_run_history_matches_stats_and_a_resumed_run_logs_each_step_once
     # Stopped as Slurm preempts (SIGTERM: checkpoint, then exit) once 2 steps are logged.
     ctx, port = mp.get_context("spawn"), free_port()
     queue = ctx.Queue()  # held here: the child unpickles it after start() returns
-    proc = ctx.Process(target=_worker, args=(0, 1, port, _ppo_worker, (overrides,), queue))
+    proc = ctx.Process(target=_worker, args=(0, 1, port, _ppo_worker, (overrides,), queue,
+                                                   _tiers.marks()))
     proc.start()
     deadline = time.time() + 600
     while not (stats.exists() and len(stats.read_text().splitlines()) >= 2):
