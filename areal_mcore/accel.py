@@ -53,20 +53,26 @@ def detect() -> Accelerators:
     )
 
 
-# megatron-core warns once per importing module when TE/apex are missing (six warnings with
-# their source lines at every rank's start-up, on every CPU run) and once about its own
-# default cuda_graph_scope ("full"); what they say is the one line `fallbacks` returns.
+# Known noise from megatron-core at every rank's start and first step, each a warning with
+# its source line: its accelerator fallbacks (six warnings when TE/apex are missing; what
+# they say is the one line `fallbacks` returns), its own default cuda_graph_scope ("full",
+# deprecated by itself), its DistributedOptimizer reading `.grad` of a non-leaf tensor, and
+# its grad buffers calling the collectives torch 2.13 deprecated
+# (megatron/core/distributed/param_and_grad_buffer.py).
 _KNOWN_WARNINGS = (
-    r"Transformer Engine and Apex are not installed\. Falling back to ",
-    r"Apex is not installed\. Falling back to Torch Norm",
-    r"full scope is deprecated\. Use empty cuda_graph_scope",
+    (r"Transformer Engine and Apex are not installed\. Falling back to ", UserWarning),
+    (r"Apex is not installed\. Falling back to Torch Norm", UserWarning),
+    (r"full scope is deprecated\. Use empty cuda_graph_scope", UserWarning),
+    (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning),
+    (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+     FutureWarning),
 )
 
 
 def quiet_known_warnings() -> None:
-    """Filters megatron-core's accelerator-fallback warnings (call before importing it)."""
-    for pattern in _KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
+    """Filters megatron-core's known start-up warnings (call before importing it)."""
+    for pattern, category in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
 
 
 def fallbacks(found: Accelerators) -> str | None:

@@ -30,3 +30,20 @@ def test_with_cuda_uses_what_imports_and_falls_back_on_import_errors(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(importlib, "import_module", fake_import)
     assert accel.detect() == accel.Accelerators(cuda=True, transformer_engine=True, apex=False)
+
+
+def test_megatrons_fallback_warnings_are_filtered_and_said_in_one_line():
+    import subprocess
+    import sys
+
+    code = ("import sys, warnings\n"
+            "from areal_mcore import accel\n"
+            "if sys.argv[1] == 'quiet': accel.quiet_known_warnings()\n"
+            "import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs\n")
+    runs = {mode: subprocess.run([sys.executable, "-W", "default", "-c", code, mode], capture_output=True,
+                                 text=True, timeout=120) for mode in ("loud", "quiet")}
+    assert runs["loud"].stderr.count("Falling back") >= 3  # what the filter is for
+    assert "Falling back" not in runs["quiet"].stderr, runs["quiet"].stderr
+    line = accel.fallbacks(accel.Accelerators(cuda=False, transformer_engine=False, apex=False))
+    assert line.startswith("accelerators: no CUDA, so not using TransformerEngine") and "apex" in line
+    assert accel.fallbacks(accel.Accelerators(cuda=True, transformer_engine=True, apex=True)) is None
