@@ -6,7 +6,8 @@ import torch
 
 
 def tiny_qwen2(seed: int = 0, *, tie: bool = False, layers: int = 4, vocab: int = 250,
-               hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 96):
+               hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 96,
+               positions: int = 256):
     """(hf_config, state_dict, model) of a seeded random Qwen2 in fp32, eval mode.
 
     The default head_dim is 16; vLLM's CPU attention needs 32 or more (``VLLM_SHAPE``)."""
@@ -14,7 +15,7 @@ def tiny_qwen2(seed: int = 0, *, tie: bool = False, layers: int = 4, vocab: int 
 
     config = Qwen2Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=positions,
         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=tie, use_sliding_window=False,
         attn_implementation="eager",
     )

@@ -33,12 +33,15 @@ SERVED_SEED = 21  # the actors hold tiny_qwen2(seed 0): a sync must change the w
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return tiny_hf_dir(str(tmp_path_factory.mktemp("vllm_model")), SERVED_SEED, **VLLM_SHAPE)
+    return tiny_hf_dir(str(tmp_path_factory.mktemp("vllm_model")), SERVED_SEED, **VLLM_SHAPE,
+                       positions=1024)
 
 
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
-    with vllm_servers(model_dir, str(tmp_path_factory.mktemp("vllm_logs")), n=2) as s:
+    # 1024 tokens of context: room for the sync test's long completions (below)
+    with vllm_servers(model_dir, str(tmp_path_factory.mktemp("vllm_logs")), n=2,
+                      context_length=1024) as s:
         yield s
 
 
@@ -201,6 +204,13 @@ def test_a_session_a_dead_trainer_left_open_is_closed_at_the_next_connect(server
     assert check["versions"] == ["7"] * len(addresses)
 
 
+# Long enough that the sync lands mid-completion under load: vLLM's API server, starved
+# beside `stress --cpu 2`, reported tokens late and took the pause late, while its engine
+# process went on decoding (measured with 160 tokens: the first count it reported was the
+# whole batch, and every completion was done before the pause).
+NEW = 768
+
+
 def _sync_while_generating_worker(rank, world, addresses, new_version):
     from _actor_setup import tiny_actor
 
@@ -218,15 +228,14 @@ def _sync_while_generating_worker(rank, world, addresses, new_version):
             return None
         async with RolloutClient(ClientConfig(addresses=addresses, backend="vllm")) as c:
             old = await c.weight_versions()
-            sampling = SamplingParams(max_new_tokens=160, temperature=1.0, ignore_eos=True)
+            sampling = SamplingParams(max_new_tokens=NEW, temperature=1.0, ignore_eos=True)
             start = _generated_tokens(addresses)
             gen = asyncio.gather(*[c.generate(PROMPT[: 3 + i % 5], sampling, rid=f"r{i}")
                                  for i in range(32)])
             # 1/16 of each server's share: the requests of one server decode in lockstep,
             # and the two servers did not start together (measured: one had 26 tokens per
-            # request when the other had 0 or 1; the whole-batch count then let the sync
-            # come when one server's requests were all done and the other's not begun).
-            await _until_generated(addresses, start, 16 * 160 // 16, gen)
+            # request when the other had 0 or 1).
+            await _until_generated(addresses, start, 16 * NEW // 16, gen)
             await syncer.push(new_version)
             outs = await gen
         await syncer.close()
@@ -267,32 +276,34 @@ def test_a_sync_while_32_requests_generate_loses_none_and_tags_every_token(serve
     assert sorted(r for r, *_ in outs) == sorted(f"r{i}" for i in range(32))
     spanning = 0
     for rid, n, n_logp, versions, finish in outs:
-        assert n == n_logp == len(versions) == 160 and finish["type"] == "length", rid
+        assert n == n_logp == len(versions) == NEW and finish["type"] == "length", rid
         assert set(versions) <= {old[0], "9"}, (rid, set(versions))
         k = versions.count(old[0])
-        assert versions == [old[0]] * k + ["9"] * (160 - k), rid  # old tokens, then new
-        spanning += 0 < k < 160
+        assert versions == [old[0]] * k + ["9"] * (NEW - k), rid  # old tokens, then new
+        spanning += 0 < k < NEW
     assert spanning > 0, "no completion spans the update: the sync came too late to test it"
     assert all(v == "9" for v in [http(a, "GET", "/weight_info")[1]["weight_version"]
                                   for a in addresses])
 
 
 def test_kill_9_of_one_of_two_servers_mid_batch_completes_on_the_survivor(servers):
-    """Runs last: it kills the second server of the module's pair."""
+    """Runs last: it kills the second server of the module's pair. Completions of 512
+    tokens, for the same reason as the sync test's: with 128, the first count a loaded
+    server reported could be its whole share, and the kill found nothing in flight."""
     addresses = [s.address for s in servers]
-    sampling = SamplingParams(max_new_tokens=128, temperature=1.0, ignore_eos=True)
+    sampling = SamplingParams(max_new_tokens=512, temperature=1.0, ignore_eos=True)
 
     async def go():
         async with RolloutClient(ClientConfig(addresses=addresses, backend="vllm",
                                               retry_delay_s=0.5)) as c:
             start = _generated_tokens(addresses[1:])
-            gen = asyncio.gather(*[c.generate(PROMPT, sampling, rid=f"k{i}") for i in range(32)])
-            await _until_generated(addresses[1:], start, 16 * 128 // 8, gen)  # mid-batch there
+            gen = asyncio.gather(*[c.generate(PROMPT, sampling, rid=f"k{i}") for i in range(16)])
+            await _until_generated(addresses[1:], start, 8 * 512 // 8, gen)  # mid-batch there
             await asyncio.to_thread(servers[1].kill)
             return await gen
     outs = asyncio.run(go())
-    assert sorted(o.rid for o in outs) == sorted(f"k{i}" for i in range(32))
-    assert all(len(o.output_ids) == len(o.logprobs) == 128 for o in outs)
+    assert sorted(o.rid for o in outs) == sorted(f"k{i}" for i in range(16))
+    assert all(len(o.output_ids) == len(o.logprobs) == 512 for o in outs)
     assert sum(o.attempts for o in outs) > 0  # some were in flight on the killed server
     assert servers[1].proc.poll() is not None
     assert os.path.exists(servers[0].log_path)
