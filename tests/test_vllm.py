@@ -287,23 +287,29 @@ def test_a_sync_while_32_requests_generate_loses_none_and_tags_every_token(serve
 
 
 def test_kill_9_of_one_of_two_servers_mid_batch_completes_on_the_survivor(servers):
-    """Runs last: it kills the second server of the module's pair. Completions of 512
-    tokens, for the same reason as the sync test's: with 128, the first count a loaded
-    server reported could be its whole share, and the kill found nothing in flight."""
+    """Runs last: it kills the second server of the module's pair, with the batch's
+    requests in flight there: that server is paused first (``keep``: vLLM holds what
+    arrives), so they wait in it when it dies. Killing it by its token count was a race a
+    loaded server won: its starved API server reported the count after its whole share
+    was done (measured beside stress --cpu 2), and nothing was in flight to fail over."""
     addresses = [s.address for s in servers]
-    sampling = SamplingParams(max_new_tokens=512, temperature=1.0, ignore_eos=True)
+    sampling = SamplingParams(max_new_tokens=128, temperature=1.0, ignore_eos=True)
+    assert http(addresses[1], "POST", "/pause?mode=keep")[0] == 200
 
     async def go():
         async with RolloutClient(ClientConfig(addresses=addresses, backend="vllm",
                                               retry_delay_s=0.5)) as c:
-            start = _generated_tokens(addresses[1:])
-            gen = asyncio.gather(*[c.generate(PROMPT, sampling, rid=f"k{i}") for i in range(16)])
-            await _until_generated(addresses[1:], start, 8 * 512 // 8, gen)  # mid-batch there
+            gen = asyncio.gather(*[c.generate(PROMPT, sampling, rid=f"k{i}") for i in range(32)])
+            victim = next(s for s in c.servers if s.address == addresses[1])
+            deadline = time.monotonic() + 60
+            while victim.in_flight < 16:  # the client routes half the batch there
+                assert time.monotonic() < deadline and not gen.done(), victim.in_flight
+                await asyncio.sleep(0.05)
             await asyncio.to_thread(servers[1].kill)
             return await gen
     outs = asyncio.run(go())
-    assert sorted(o.rid for o in outs) == sorted(f"k{i}" for i in range(16))
-    assert all(len(o.output_ids) == len(o.logprobs) == 512 for o in outs)
-    assert sum(o.attempts for o in outs) > 0  # some were in flight on the killed server
+    assert sorted(o.rid for o in outs) == sorted(f"k{i}" for i in range(32))
+    assert all(len(o.output_ids) == len(o.logprobs) == 128 for o in outs)
+    assert sum(o.attempts for o in outs) == 16  # each of the killed server's once, on the survivor
     assert servers[1].proc.poll() is not None
     assert os.path.exists(servers[0].log_path)
