@@ -11,8 +11,7 @@ import time
 import _tiers
 import psutil
 import pytest
-import torch.multiprocessing as mp
-from _dist import _worker, run_gloo
+from _dist import _worker, rank_context, run_gloo
 from _rollout import embedded_servers
 
 from areal_mcore.config import load_config
@@ -65,10 +64,10 @@ def test_killed_run_resumes_with_the_same_rewards_and_losses(tmp_path):
         # The same run, killed (SIGKILL, every rank) once two steps are logged.
         overrides = _overrides(assets, address, tmp_path / "b")
         stats = tmp_path / "b" / "resume" / "stats.jsonl"
-        ctx, port = mp.get_context("spawn"), free_port()
+        ctx, port = rank_context(), free_port()
         queue = ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, 2, port, _ppo_worker, (overrides,), queue,
-                                                       _tiers.marks()))
+                                                       _tiers.marks(), dict(os.environ)))
                  for r in range(2)]
         for p in procs:
             p.start()

@@ -12,8 +12,7 @@ import time
 
 import _tiers
 import pytest
-import torch.multiprocessing as mp
-from _dist import _worker, run_gloo
+from _dist import _worker, rank_context, run_gloo
 from _wandb import history
 
 from areal_mcore.cli import main
@@ -72,10 +71,10 @@ def test_offline_run_history_matches_stats_and_a_resumed_run_logs_each_step_once
     run_dir = tmp_path / "runs" / "wb"
     stats = run_dir / "stats.jsonl"
     # Stopped as Slurm preempts (SIGTERM: checkpoint, then exit) once 2 steps are logged.
-    ctx, port = mp.get_context("spawn"), free_port()
+    ctx, port = rank_context(), free_port()
     queue = ctx.Queue()  # held here: the child unpickles it after start() returns
     proc = ctx.Process(target=_worker, args=(0, 1, port, _ppo_worker, (overrides,), queue,
-                                                   _tiers.marks()))
+                                                   _tiers.marks(), dict(os.environ)))
     proc.start()
     deadline = time.time() + 600
     while not (stats.exists() and len(stats.read_text().splitlines()) >= 2):
