@@ -167,15 +167,15 @@ slurm-down:
 # day-to-day work (~1.5 min on 2 cores after install).
 FAST_TIER := not (slow or slurm or server or multirank or venv)
 # Much of the suite waits (server starts, Slurm, sockets), so it runs in xdist workers, a
-# test module per worker at a time (its module-scoped servers start once), the Slurm
-# tests in one group (they share the cluster's two nodes), the longest groups first
-# (tests/conftest.py).
+# test module per worker at a time (its module-scoped servers start once; the Slurm tests
+# are one module: they share the cluster's two nodes), the heaviest modules first
+# (tests/conftest.py). (loadscope, not loadgroup: xdist 3.8's groups rename node ids,
+# which pytest 9 no longer lets it do, so every test became its own group.)
 TEST_WORKERS ?= 2
 MCORE_WORKERS ?= 2
-XDIST = --dist loadgroup --no-loadscope-reorder
+XDIST = --dist loadscope --no-loadscope-reorder
 test-fast: install sglang-wheels
-	SGLANG_WHEELS=$(SGLANG_WHEELS) $(PY) -m pytest -m "$(FAST_TIER)" -n 2 --dist loadgroup \
-	  --no-loadscope-reorder $(PYTEST_ARGS)
+	SGLANG_WHEELS=$(SGLANG_WHEELS) $(PY) -m pytest -m "$(FAST_TIER)" -n 2 $(XDIST) $(PYTEST_ARGS)
 
 # AREAL_REQUIRE_SYSDEPS: Slurm/shellcheck tests fail instead of skipping when missing.
 test-main: install sysdeps sglang-wheels

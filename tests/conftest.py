@@ -36,22 +36,15 @@ def pytest_runtest_setup(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under xdist (`make test`: `-n N --dist loadgroup`) a module runs on one worker, so
-    its module-scoped servers start once; the Slurm tests share one group, as they share
-    the cluster's two nodes. Groups that take longest go first."""
-    for item in items:
-        group = "slurm" if item.get_closest_marker("slurm") else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
+    """Under xdist (`make test`: `--dist loadscope`) a module runs on one worker, so its
+    module-scoped servers start once (and the Slurm jobs, all in one module, one at a time
+    on the cluster's two nodes). The heaviest modules go first (`--no-loadscope-reorder`
+    keeps this order), so none starts last and runs alone."""
     weight = {"slurm": 0, "server": 1, "slow": 2, "multirank": 3}
 
     def rank(item):
-        marks = [weight[m.name] for m in item.iter_markers() if m.name in weight]
-        return min(marks, default=len(weight))
-    first = {}
-    for item in items:  # a group's rank is its heaviest test's; order within a group is kept
-        group = item.get_closest_marker("xdist_group").args[0]
-        first[group] = min(first.get(group, len(weight)), rank(item))
-    items.sort(key=lambda item: first[item.get_closest_marker("xdist_group").args[0]])
-
-
-import pytest  # noqa: E402
+        return min((weight[m.name] for m in item.iter_markers() if m.name in weight), default=len(weight))
+    first: dict[str, int] = {}
+    for item in items:  # a module's rank is its heaviest test's; order within it is kept
+        first[item.module.__name__] = min(first.get(item.module.__name__, len(weight)), rank(item))
+    items.sort(key=lambda item: first[item.module.__name__])

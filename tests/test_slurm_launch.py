@@ -1,7 +1,9 @@
-"""The tiny boba run through the real Slurm launch path on the local 2-node cluster:
+"""The local 2-node Slurm cluster and the tiny boba run through the real Slurm launch path:
 sbatch script -> in-allocation launcher -> rollout server step on node1 + trainer step on
 node2; requeue (scontrol and time limit) resumes from the checkpoint; scancel leaves no
-process behind; the submitit path returns the final stats."""
+process behind; the submitit path returns the final stats; steps ask for their share of a
+node. One module: its jobs share the cluster's two nodes, so they run one at a time (a
+module runs on one xdist worker)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,58 @@ def assets(tmp_path_factory):
     out = tmp_path_factory.mktemp("slurm_assets")
     return build_tiny_assets(TinyAssetsConfig(out_dir=str(out), n_train=32, n_test=4, hidden_size=32,
                                               intermediate_size=64, num_layers=1))
+
+
+def test_two_node_job_runs_a_step_on_each_node(tmp_path):
+    """Smoke test of the cluster itself: a 2-node batch job runs one srun step on each node
+    of its allocation, and accounting (sacct) reports the job and both steps COMPLETED."""
+    require_cluster()
+
+    out_file = tmp_path / "job.out"
+    # The batch script records its allocation, then one step on each of its two nodes.
+    script = 'echo "ALLOC $SLURM_JOB_NODELIST"; ' + "; ".join(
+        f"srun --nodes=1 --ntasks=1 --relative={i} bash -c 'echo \"STEP $SLURMD_NODENAME\"'"
+        for i in (0, 1)
+    )
+    job_id = (
+        run(
+            "sbatch",
+            "--parsable",
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            "--time=5",
+            "--job-name=pytest-slurm-local",
+            f"--chdir={tmp_path}",
+            f"--output={out_file}",
+            f"--wrap={script}",
+        )
+        .strip()
+        .split(";")[0]
+    )
+
+    state = wait(job_id, timeout_s=120)
+    output = out_file.read_text() if out_file.exists() else "<no output file>"
+    assert state == "COMPLETED", f"job {job_id} ended {state}; output:\n{output}"
+
+    lines = [line.split() for line in output.splitlines()]
+    alloc = [words[1] for words in lines if len(words) == 2 and words[0] == "ALLOC"]
+    assert alloc, f"no allocation line in the job output:\n{output}"
+    nodes = run("scontrol", "show", "hostnames", alloc[0]).split()
+    assert len(nodes) == 2, f"job {job_id} was allocated {alloc[0]!r}, expected 2 nodes"
+    stepped = [words[1] for words in lines if len(words) == 2 and words[0] == "STEP"]
+    assert sorted(stepped) == sorted(nodes), (
+        f"steps ran on {stepped}, expected one step on each of {nodes}:\n{output}"
+    )
+
+    # Both steps are in accounting too (records can trail the job's own by a moment).
+    want = {f"{job_id}.0", f"{job_id}.1"}
+    for _ in range(20):
+        rows = run("sacct", "-n", "-P", "-j", job_id, "-o", "JobID,State").splitlines()
+        steps = dict(row.split("|", 1) for row in rows if row)
+        if all(steps.get(step) == "COMPLETED" for step in want):
+            break
+        time.sleep(0.5)
+    assert all(steps.get(step) == "COMPLETED" for step in want), f"sacct steps: {steps}"
 
 
 def _overrides(assets, log_dir, name, steps):
@@ -187,3 +241,18 @@ def test_sbatch_scripts_pass_bash_n_and_shellcheck():
     for path in scripts:
         subprocess.run(["bash", "-n", path], check=True)
     subprocess.run(["shellcheck", "-x", *scripts], check=True, cwd=REPO)
+
+
+def test_srun_steps_run_with_their_gpus_share_of_cpus_and_memory(assets, tmp_path):
+    # 2-CPU nodes, one "GPU" (process) per node, 4000 MB asked for the job on each node.
+    job = _sbatch(_overrides(assets, tmp_path, "share", 1), tmp_path, "--mem=4000")
+    assert wait(job, 300) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
+    rows = run("sacct", "-n", "-P", "-j", job, "-o", "JobName,AllocCPUS,ReqMem").splitlines()
+    got = {name: (cpus, mem) for name, cpus, mem in (r.split("|") for r in rows if r)}
+    assert got["rollout0"][0] == got["trainer"][0] == "2", got  # the node's CPUs / 1 GPU x 1
+    # This cluster does not count memory (CR_Core: sacct shows no step memory), so the
+    # flags are read from the launcher's log of each step's srun line.
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    for step in ("rollout0", "trainer"):
+        line = next(x for x in log.splitlines() if x.startswith(f"[launcher] step {step}: srun "))
+        assert " --exact --cpus-per-task=2 --mem=4000M" in line, line
