@@ -21,6 +21,8 @@ class Accelerators:
     cuda: bool
     transformer_engine: bool
     apex: bool
+    # apex's CUDA extension for gradient_accumulation_fusion (a separate build option)
+    wgrad_fusion: bool = False
 
     def describe(self) -> str:
         def on(flag: bool) -> str:
@@ -50,7 +52,23 @@ def detect() -> Accelerators:
         cuda=cuda,
         transformer_engine=cuda and _imports("transformer_engine.pytorch"),
         apex=cuda and _imports("apex.optimizers"),
+        wgrad_fusion=cuda and _imports("fused_weight_gradient_mlp_cuda"),
     )
+
+
+def wgrad_fusion(setting: str, found: Accelerators) -> bool:
+    """Whether to turn on megatron's ``gradient_accumulation_fusion`` (``actor.
+    gradient_accumulation_fusion``: auto, true or false).
+
+    megatron's ``ColumnParallelLinear`` raises at construction when it is on and apex's
+    ``fused_weight_gradient_mlp_cuda`` extension does not import (tensor_parallel/
+    layers.py), and the output layer is one under TransformerEngine's spec too: TE alone
+    is not enough, the extension is what it needs."""
+    if setting == "true" and not found.wgrad_fusion:
+        raise ValueError("actor.gradient_accumulation_fusion=true needs apex's fused_weight_gradient_mlp_cuda "
+                         "extension with CUDA (megatron's ColumnParallelLinear, the output layer under either "
+                         "layer spec, raises without it); use auto or false")
+    return found.wgrad_fusion if setting == "auto" else setting == "true"
 
 
 # Known noise from megatron-core at every rank's start and first step, each a warning with

@@ -162,3 +162,38 @@ def test_train_step_dp2_equals_single_process(reference_step):
 @pytest.mark.slow
 def test_train_step_with_activation_recompute_equals_without(reference_step):
     _assert_same_step(run_gloo(_train_worker, 1, 1, 1, True), reference_step)
+
+
+@pytest.mark.parametrize("pad", [1, 4])
+def test_the_loss_gets_the_micro_batch_on_the_actors_device(pad):
+    """On a GPU the logprobs are on the device: the loss's mask and advantages must be too
+    (sft_loss multiplied GPU logprobs by a CPU mask). The emulated device refuses the mix.
+    Without padding the four cu_seqlens fields are one tensor (TE 2.4-2.10 compares the
+    padded ones with the true ones on the device, a sync per layer, unless they are)."""
+    from types import SimpleNamespace
+
+    from _fake_cuda import FakeCuda, is_fake_cuda
+
+    from areal_mcore.actor.megatron_actor import MegatronActor
+    from areal_mcore.trainer.sft import sft_loss
+
+    seqs = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    mb = pack(seqs, {"loss_mask": [torch.tensor([0.0, 1, 1]), torch.tensor([0.0, 1])]}, pad_to_multiple_of=pad)
+    seen = {}
+
+    def model(ids, pos, attention_mask, packed_seq_params):
+        seen.update(ids=ids, params=packed_seq_params)
+        return torch.randn(1, ids.shape[1], 8, device="cuda")  # logits on the GPU
+
+    def loss_func(mb, logits):
+        return sft_loss(logits[0].log_softmax(-1)[:, 0], mb, torch.tensor(3.0))
+
+    with FakeCuda():
+        actor = SimpleNamespace(device=torch.device("cuda", 0))
+        logits, on_logits = MegatronActor._forward_step(actor, loss_func, iter([mb]), model)
+        loss, _ = on_logits(logits)
+    assert is_fake_cuda(loss) and is_fake_cuda(seen["ids"])
+    p = seen["params"]
+    assert all(is_fake_cuda(t) for t in (p.cu_seqlens_q, p.cu_seqlens_q_padded))
+    assert (p.cu_seqlens_q_padded is p.cu_seqlens_q) == (pad == 1)
+    assert p.cu_seqlens_kv_padded is p.cu_seqlens_q_padded and p.cu_seqlens_kv is p.cu_seqlens_q

@@ -93,3 +93,50 @@ def test_model_args_read_qwen2_fields():
                                          num_key_value_heads=4, rope_theta=1e6, rms_norm_eps=1e-6))
     assert (args.head_dim, args.num_kv_heads, args.rope_theta, args.qkv_bias) == (128, 4, 1e6, True)
     assert padded_vocab_size(151936, 4) == 152064
+
+
+def _te_spec_worker(rank, world):
+    from _te_standin import te_spec_on_cpu
+    from _tiny_model import tiny_qwen2
+
+    from areal_mcore.actor.config import ParallelConfig
+    from areal_mcore.actor.parallel import init_parallel
+    from areal_mcore.model.hf_config import build_gpt_model, transformer_config
+
+    hf_config, state, hf = tiny_qwen2(vocab=250)
+    args = ModelArgs.from_hf(hf_config)
+    init_parallel(ParallelConfig(), seed=1)
+    config = transformer_config(args, tp_size=1, pp_size=1, params_dtype=torch.float32)
+    vocab = padded_vocab_size(args.vocab_size, 1, divisible_by=8)
+    with te_spec_on_cpu():
+        model = build_gpt_model(args, config, padded_vocab=vocab, use_te=True, pre_process=True,
+                                post_process=True).eval()
+    adapter.copy_into(model, adapter.from_hf(state, args, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                                             padded_vocab=vocab))
+    weights = {n: p.detach() for n, p in adapter.module_weights(model).items()}
+    back = adapter.to_hf([weights], args, pp_rank=0, pp_size=1)
+    ids = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(ids, torch.arange(12)[None], attention_mask=None)[0, :, :250]
+        want = hf(ids).logits[0]
+    return ([n for n, _ in model.named_parameters()], {k: torch.equal(back[k], v) for k, v in state.items()},
+            float((got - want).abs().max()))
+
+
+def test_the_te_specs_fused_norm_weights_load_from_hf_and_export_back():
+    """TransformerEngine's spec names the layer norms after the linear they are fused into
+    (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``). Built here from
+    megatron's own TE spec with CPU stand-ins of TE's modules (tests/_te_standin.py): HF
+    weights load into it, export back bitwise and give transformers' logits."""
+    from _dist import run_gloo
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    # megatron's own map between the two specs' names (its checkpoints use it) is ours
+    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+    assert local.submodules.sharded_state_dict_keys_map == adapter.TE_FUSED_NORMS
+    names, exported, err = run_gloo(_te_spec_worker, 1)[0]
+    assert {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+            "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"} <= set(names)
+    assert not [n for n in names if "input_layernorm" in n or "pre_mlp_layernorm" in n]
+    assert all(exported.values()), [k for k, ok in exported.items() if not ok]
+    assert err <= 1e-4, err

@@ -117,8 +117,9 @@ class ActorConfig:
     # Overlap the DistributedOptimizer's param all-gather with the next forward (needs
     # overlap_grad_reduce); the actor completes it before weights leave (sync, export).
     overlap_param_gather: bool = False
-    # Fuse the weight-gradient GEMM with the accumulation into main_grad (TE / apex
-    # kernels): "auto" = with the TransformerEngine spec on a GPU.
+    # Fuse the weight-gradient GEMM with the accumulation into main_grad: "auto" = where
+    # apex's fused_weight_gradient_mlp_cuda imports (megatron's own linears need it under
+    # either spec: accel.wgrad_fusion says why).
     gradient_accumulation_fusion: str = "auto"
     # Padded vocab = multiple of this x TP (megatron's make-vocab-size-divisible-by).
     vocab_divisible_by: int = 128

@@ -45,17 +45,6 @@ from areal_mcore.packing import (
 LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
-def _wgrad_fusion(cfg: ActorConfig, use_te: bool) -> bool:
-    """gradient_accumulation_fusion: megatron's linear layers then call TE's (or apex's
-    ``fused_weight_gradient_mlp_cuda``) wgrad kernel, which the local spec on CPU lacks."""
-    if cfg.gradient_accumulation_fusion == "auto":
-        return use_te
-    if cfg.gradient_accumulation_fusion == "true" and not use_te:
-        raise ValueError("actor.gradient_accumulation_fusion=true needs TransformerEngine with CUDA "
-                         "(the TE layer spec); use auto or false")
-    return cfg.gradient_accumulation_fusion == "true"
-
-
 class MegatronActor:
     """Owns the model, optimizer and LR schedule of one rank; parallelism comes from cfg."""
 
@@ -86,7 +75,8 @@ class MegatronActor:
                                          first_stage_layers=p.first_stage_layers,
                                          last_stage_layers=p.last_stage_layers,
                                          on_gpu=found.cuda, fused=use_te,
-                                         gradient_accumulation_fusion=_wgrad_fusion(cfg, use_te))
+                                         gradient_accumulation_fusion=accel.wgrad_fusion(
+                                             cfg.gradient_accumulation_fusion, found))
         model = build_gpt_model(self.args, self.config, padded_vocab=self.padded_vocab,
                                 use_te=use_te, pre_process=g.is_first_stage,
                                 post_process=g.is_last_stage, pp_rank=g.pp_rank,
@@ -129,20 +119,13 @@ class MegatronActor:
         g = self.groups
         local = adapter.from_hf(state_dict, self.args, tp_rank=g.tp_rank, tp_size=g.tp_size,
                                 pp_rank=g.pp_rank, pp_size=g.pp_size, padded_vocab=self.padded_vocab)
-        params = dict(self.model.module.named_parameters())
-        unknown = sorted(set(local) - set(params))
-        missing = sorted(set(params) - set(local))
-        if unknown or missing:
-            raise KeyError(f"adapter/model mismatch: unmapped {missing[:4]}, unknown {unknown[:4]}")
-        with torch.no_grad():
-            for name, tensor in local.items():
-                params[name].copy_(tensor)
+        adapter.copy_into(self.model.module, local)
         self.optimizer.reload_model_params()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This pipeline stage's weights in HF names and layout, gathered over TP."""
         g = self.groups
-        local = {n: p.detach() for n, p in self.model.module.named_parameters()}
+        local = {n: p.detach() for n, p in adapter.module_weights(self.model.module).items()}
         shards = [dict() for _ in range(g.tp_size)]
         for name in sorted(local):
             parts = collectives.all_gather(local[name], g.tp)
@@ -195,22 +178,28 @@ class MegatronActor:
     # ------------------------------------------------------------------ forward
 
     def _forward_step(self, loss_func, data_iterator: Iterator[PackedBatch], model):
-        mb = next(data_iterator)
+        # Compared on the host, before the move: without padding the layouts are equal, and
+        # TE 2.4-2.10's DotProductAttention compares cu_seqlens_q_padded with cu_seqlens_q
+        # on the device (a sync per layer) unless they are the same tensor (AReaL passes one).
+        host_mb = next(data_iterator)
+        unpadded = torch.equal(host_mb.cu_seqlens, host_mb.cu_seqlens_padded)
+        # The whole micro-batch moves: the loss multiplies the logprobs (on the device) by
+        # its fields (loss mask, advantages), which stayed on the CPU before.
+        mb = host_mb.to(self.device)
+        cu_padded = mb.cu_seqlens if unpadded else mb.cu_seqlens_padded
         params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=mb.cu_seqlens.to(self.device), cu_seqlens_kv=mb.cu_seqlens.to(self.device),
-            cu_seqlens_q_padded=mb.cu_seqlens_padded.to(self.device),
-            cu_seqlens_kv_padded=mb.cu_seqlens_padded.to(self.device),
+            qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+            cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
             max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen,
         )
-        ids = mb.input_ids.to(self.device).unsqueeze(0)
-        pos = mb.position_ids.to(self.device).unsqueeze(0)
-        output = model(ids, pos, attention_mask=None, packed_seq_params=params)
+        output = model(mb.input_ids.unsqueeze(0), mb.position_ids.unsqueeze(0), attention_mask=None,
+                       packed_seq_params=params)
         return output, partial(loss_func, mb)
 
     def _logprobs(self, mb: PackedBatch, logits_1TV: torch.Tensor, temperature: float) -> torch.Tensor:
-        return token_logprobs(logits_1TV.squeeze(0), mb.input_ids.to(self.device),
-                              mb.cu_seqlens_padded.to(self.device), vocab_size=self.args.vocab_size,
+        """``mb`` is the micro-batch ``_forward_step`` moved to the device."""
+        return token_logprobs(logits_1TV.squeeze(0), mb.input_ids, mb.cu_seqlens_padded,
+                              vocab_size=self.args.vocab_size,
                               tp_rank=self.groups.tp_rank, tp_group=self.groups.tp,
                               temperature=temperature, kernel=self.cfg.logprob_kernel)
 

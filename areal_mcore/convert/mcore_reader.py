@@ -25,11 +25,6 @@ from areal_mcore.model import adapter
 from areal_mcore.model.args import ModelArgs
 from areal_mcore.run_dir import latest_checkpoint
 
-# megatron saves the layer norms of the local spec under the TE spec's fused names
-# (TransformerLayer's sharded_state_dict_keys_map), so checkpoints of both specs agree.
-_NORM_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-              "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-
 
 class _RegionPlanner(DefaultLoadPlanner):
     """Loads a region (offsets, buffer shape) of each stored tensor into the given buffer.
@@ -75,15 +70,9 @@ class McoreCheckpointReader:
 
     @staticmethod
     def _key(name: str) -> str:
-        """The stored key of a module parameter (layer index dropped: it is an axis)."""
-        m = re.fullmatch(r"decoder\.layers\.\d+\.(.*)", name)
-        if not m:
-            return name
-        rest = m.group(1)
-        for local, stored in _NORM_KEYS.items():
-            if rest.startswith(local):
-                rest = stored + rest[len(local):]
-        return "decoder.layers." + rest
+        """The stored key of a module parameter: megatron saves both specs under the TE
+        spec's names (``adapter.te_name``), layers stacked along an axis (index dropped)."""
+        return re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", adapter.te_name(name))
 
     def read_layer(self, layer: int) -> dict[str, torch.Tensor]:
         """HF tensors of one transformer layer (plus embedding / final norm / lm head at the ends).

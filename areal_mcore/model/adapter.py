@@ -17,6 +17,7 @@ Kinds (the only place that knows layouts):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +57,54 @@ PARAMS: tuple[ParamMap, ...] = (
     ParamMap("output_layer.weight", ("lm_head.weight",), "vocab", per_layer=False, stage="last",
              only_if=lambda args: not args.tie_word_embeddings),
 )
+
+
+# TransformerEngine's layer spec fuses each layer norm into the linear after it: TE's
+# LayerNormLinear registers the norm's weight as ``layer_norm_weight``
+# (transformer_engine/pytorch/module/layernorm_linear.py), and megatron's TE spec
+# (models/gpt/gpt_layer_specs.py: ``column_parallel_layer_norm_linear()``, the input and
+# pre-MLP norms ``IdentityOp``) names them ``self_attention.linear_qkv.layer_norm_weight``
+# and ``mlp.linear_fc1.layer_norm_weight``. PARAMS uses the local spec's names; megatron's
+# own map between the two (the local spec's ``sharded_state_dict_keys_map``, which also
+# makes checkpoints of both specs agree) is this one: tests/test_adapter.py checks it.
+TE_FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                  "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+_LAYER = re.compile(r"(decoder\.layers\.(?:\d+\.)?)(.*)")
+
+
+def _renamed(name: str, mapping: dict[str, str]) -> str:
+    m = _LAYER.fullmatch(name)
+    if m:
+        for old, new in mapping.items():
+            if m.group(2).startswith(old):
+                return m.group(1) + new + m.group(2)[len(old):]
+    return name
+
+
+def te_name(name: str) -> str:
+    """The TE spec's (and a checkpoint's) name of a PARAMS megatron name."""
+    return _renamed(name, TE_FUSED_NORMS)
+
+
+def local_name(name: str) -> str:
+    """The PARAMS name of a megatron parameter name of either spec."""
+    return _renamed(name, {te: local for local, te in TE_FUSED_NORMS.items()})
+
+
+def module_weights(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """A megatron model's parameters under PARAMS' names, whichever spec built it."""
+    return {local_name(n): p for n, p in module.named_parameters()}
+
+
+def copy_into(module: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
+    """Copies one (TP rank, PP stage)'s tensors (``from_hf``) into its megatron model."""
+    params = module_weights(module)
+    unknown, missing = sorted(set(shard) - set(params)), sorted(set(params) - set(shard))
+    if unknown or missing:
+        raise KeyError(f"adapter/model mismatch: unmapped {missing[:4]}, unknown {unknown[:4]}")
+    with torch.no_grad():
+        for name, tensor in shard.items():
+            params[name].copy_(tensor)
 
 
 # --------------------------------------------------------------------------- kinds

@@ -54,12 +54,15 @@ class CPUCoreAttention(MegatronModule):
         return out_SBHD.reshape(S, B, Hq * D)
 
     def _attend(self, q_SHD, k_SHD, v_SHD):
-        groups = q_SHD.shape[1] // k_SHD.shape[1]
-        q = q_SHD.transpose(0, 1)
-        k = k_SHD.transpose(0, 1).repeat_interleave(groups, 0)
-        v = v_SHD.transpose(0, 1).repeat_interleave(groups, 0)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.softmax_scale,
+        # [1, H, S, D] and enable_gqa, not [H, S, D] with K/V repeated per query head: torch
+        # picks a fused kernel (flash, memory-efficient, cuDNN) only for 4-D inputs
+        # (aten/src/ATen/native/transformers/sdp_utils_cpp.h, check_tensor_shapes), and the
+        # math fallback upcasts bf16 to fp32 and keeps an [H, S, S] matrix per layer. SDPA's
+        # GQA repeats K/V as repeat_interleave does: query head h reads kv head h // (Hq/Hkv).
+        q_1HSD, k_1HSD, v_1HSD = (t.transpose(0, 1).unsqueeze(0) for t in (q_SHD, k_SHD, v_SHD))
+        out_1HSD = F.scaled_dot_product_attention(
+            q_1HSD, k_1HSD, v_1HSD, is_causal=True, scale=self.softmax_scale,
             dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q_1HSD.shape[1] != k_1HSD.shape[1],
         )
-        return out.transpose(0, 1)
+        return out_1HSD[0].transpose(0, 1)

@@ -25,5 +25,7 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         # Same constructor as WrappedTorchNorm (build_module passes these keywords).
         if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
             raise ValueError("SequenceParallelRMSNorm implements plain RMSNorm only")
-        super().__init__(normalized_shape=hidden_size, eps=eps)
+        # In the model's dtype, as megatron's other parameters (and TE's norms) are: an fp32
+        # weight beside bf16 activations keeps torch's RMSNorm off its fused kernel.
+        super().__init__(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel

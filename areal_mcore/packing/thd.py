@@ -13,7 +13,7 @@ layout of the packed row (TE's ``cu_seqlens_q_padded``); without padding they ar
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,6 +42,14 @@ class PackedBatch:
     def seqlens_padded(self) -> list[int]:
         """Segment lengths of the packed layout (what micro-batch token budgets count)."""
         return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).tolist()
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """This batch with every tensor on ``device`` (the loss reads the fields beside the
+        model's logits, so a micro-batch moves as a whole)."""
+        return replace(self, input_ids=self.input_ids.to(device),
+                       position_ids=self.position_ids.to(device), cu_seqlens=self.cu_seqlens.to(device),
+                       cu_seqlens_padded=self.cu_seqlens_padded.to(device),
+                       fields={k: v.to(device) for k, v in self.fields.items()})
 
     def select(self, indices: Sequence[int]) -> PackedBatch:
         """The sub-batch of the given sequences, in that order, with the same padding."""
