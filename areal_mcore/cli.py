@@ -246,9 +246,10 @@ def _init_distributed() -> None:
     import torch.distributed as dist
 
     from areal_mcore.devices import bind_local_device
-    from areal_mcore.net import free_port
+    from areal_mcore.net import free_port, set_nccl_env
 
     bind_local_device()
+    set_nccl_env(os.environ)  # before NCCL reads it
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ:
         dist.init_process_group(backend)

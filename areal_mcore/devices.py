@@ -10,10 +10,14 @@ i.e. before ``init_process_group("nccl")`` and before the actor is built.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def local_rank(environ: Mapping[str, str] = os.environ) -> int:
@@ -56,3 +60,23 @@ def check_bound(environ: Mapping[str, str] = os.environ) -> None:
         raise RuntimeError(
             f"this rank (LOCAL_RANK={local_rank(environ)}) is on cuda:{current}, not cuda:{expected}: call "
             f"areal_mcore.devices.bind_local_device() before any CUDA work in the entry point")
+
+
+def inherit_device(fn: Callable[..., T], device: torch.device | None = None) -> Callable[..., T]:
+    """``fn``, run on ``device`` (default: the calling thread's current CUDA device) from
+    whatever thread runs it.
+
+    The current CUDA device is per thread: a worker thread (``asyncio.to_thread``, the
+    trainer's event-loop thread) that never set it works on cuda:0, and so do torch's
+    object collectives over NCCL (``distributed_c10d._get_object_coll_device``) and
+    ``torch.cuda.current_stream()``: every rank's control-plane traffic on GPU 0 ("Duplicate
+    GPU detected" with TP/PP > 1). Wrap every function a thread runs for a bound one."""
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+        return fn
+    index = torch.cuda.current_device() if device is None else device.index
+
+    @functools.wraps(fn)
+    def bound(*args, **kwargs):
+        torch.cuda.set_device(index)
+        return fn(*args, **kwargs)
+    return bound

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import random
 import socket
+from collections.abc import MutableMapping
 
 # Below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default)
 # lies nothing the kernel hands out by itself. A port picked there can only be taken
@@ -45,3 +46,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+# What the weight-update group needs in every process of it, the trainer's and each
+# server's: SGLang sets both to 0 in its own process unless they are set
+# (srt/entrypoints/engine.py, _set_envs_and_config), because its NCCL buffers allocated
+# through cuMem cannot be registered across processes, and NVLS (NVLink SHARP) buffers
+# neither; a trainer or vLLM server left at NCCL's defaults meets it with other settings.
+NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def set_nccl_env(env: MutableMapping[str, str]) -> None:
+    """Fills ``NCCL_ENV`` into ``env`` (``os.environ``, or a child's) where it is unset."""
+    for key, value in NCCL_ENV.items():
+        env.setdefault(key, value)

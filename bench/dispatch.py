@@ -80,7 +80,7 @@ def _rank(rank, world, port, shape, samples_n, queue):
     g = dist.group.WORLD
     samples = (tiny_batch() if shape == "tiny" else boba_batch(samples_n)) if rank == 0 else None
     group = 4 if shape == "tiny" else GROUP
-    d = Dispatcher(dp_rank=rank, dp_size=world, mp_group=None, world=g)
+    d = Dispatcher(dp_rank=rank, dp_size=world, mp_group=None, world=g, control=g)
     out = {}
     for _ in range(2):  # the second round is reported (first touches of buffers excluded)
         dist.barrier()

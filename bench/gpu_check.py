@@ -64,7 +64,7 @@ def check_placement(device: torch.device) -> dict:
                       output_ids=rng.integers(0, 1000, 12).tolist(), logprobs=(-rng.random(12)).tolist(),
                       versions=[0] * 12, reward=float(i % 2), finish_reason="stop", start_version=0)
                for i in range(8)]
-    d = Dispatcher(dp_rank=0, dp_size=1, mp_group=None, world=world)
+    d = Dispatcher(dp_rank=0, dp_size=1, mp_group=None, world=world, control=dist.new_group(backend="gloo"))
     shard, _ = d.dispatch(samples, 4)
     ppo = PPOConfig(reward_norm=NormConfig(mean_level="group", std_level="group", group_size=4),
                     adv_norm=NormConfig(mean_level="batch", std_level="batch"))

@@ -126,3 +126,47 @@ def test_torchrun_ranks_bind_their_own_gpu_before_the_process_group_and_actor(tm
         assert code == 0
         assert events == [f"set_device({rank})", f"init_process_group(nccl) on cuda:{rank}",
                           f"actor built on cuda:{rank}"]
+
+
+class PerThreadCuda(FakeCuda):
+    """As CUDA keeps it: each thread's current device is 0 until that thread sets it."""
+
+    def __init__(self, count: int):
+        import threading
+
+        super().__init__(count)
+        self.local = threading.local()
+
+    def install(self, monkeypatch_setattr) -> None:
+        super().install(monkeypatch_setattr)
+        monkeypatch_setattr(torch.cuda, "current_device", lambda: getattr(self.local, "device", 0))
+
+    def set_device(self, index) -> None:
+        self.local.device = int(index)
+
+
+def test_every_thread_the_trainer_runs_cuda_work_on_is_on_the_ranks_gpu(monkeypatch):
+    """The event-loop thread and the weight syncer's worker threads (the object all-gather
+    over NCCL, the gather, the broadcast) worked on cuda:0 whatever the rank's GPU: the
+    current device is per thread, and they never set it."""
+    import asyncio
+    import inspect
+
+    from areal_mcore.trainer.event_loop import LoopThread
+    from areal_mcore.weight_sync import syncer
+
+    PerThreadCuda(8).install(monkeypatch.setattr)
+    torch.cuda.set_device(3)  # what bind_local_device does on the main thread of LOCAL_RANK 3
+    assert torch.cuda.current_device() == 3
+    loop = LoopThread()
+    try:
+        assert loop.call(torch.cuda.current_device) == 3
+        assert loop.run(asyncio.to_thread(torch.cuda.current_device)) == 0  # the trap itself
+        sync = object.__new__(syncer.WeightSyncer)  # only its device and _in_thread
+        sync._device = torch.device("cuda", 3)
+        assert loop.run(sync._in_thread(torch.cuda.current_device)) == 3
+    finally:
+        loop.close()
+    # Every thread job of the syncer goes through _in_thread.
+    source = inspect.getsource(syncer)
+    assert source.count("asyncio.to_thread(") == 1 and "self._in_thread(" in source

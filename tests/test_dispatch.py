@@ -67,7 +67,8 @@ def _dispatch_rank(rank, world, samples, n):
     # DP 2 x "TP" 2: replicas {0, 1} and {2, 3}; the model-parallel groups as megatron
     # would form them (every rank creates every group).
     mps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    d = Dispatcher(dp_rank=rank // 2, dp_size=2, mp_group=mps[rank // 2], world=dist.group.WORLD)
+    d = Dispatcher(dp_rank=rank // 2, dp_size=2, mp_group=mps[rank // 2], world=dist.group.WORLD,
+                   control=dist.new_group(backend="gloo"))
     shard, st = d.dispatch(samples if rank == 0 else None, n)
     return d.heads, _as_lists(shard), st.bytes_sent, st.bytes_received
 
@@ -85,6 +86,30 @@ def test_each_replica_receives_only_its_groups_once_then_its_model_parallel_peer
         wire = parts[rank // 2].nbytes + 24  # + the int64[3] header
         assert received == (0 if rank == 0 else wire)
     assert out[0][2] == parts[1].nbytes + 24  # rank 0 sent replica 1's share, once
+
+
+def _late_rank_0(rank, world, samples, n):
+    import time
+    from datetime import timedelta
+
+    # The data group's timeout stands for NCCL's 10 min watchdog, scaled down to 2 s.
+    data = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
+    d = Dispatcher(dp_rank=rank, dp_size=2, mp_group=None, world=data, control=control)
+    if rank == 0:
+        time.sleep(5)  # generating the batch
+    shard, _ = d.dispatch(samples if rank == 0 else None, n)
+    return _as_lists(shard)
+
+
+@pytest.mark.multirank
+def test_ranks_wait_out_rank_0s_rollout_on_the_control_groups_timeout_not_the_data_groups():
+    """The other ranks wait for rank 0's batch as long as a rollout takes: on the trainer's
+    gloo control group (trainer.wait_timeout_s), not in a receive on the data group, which
+    on NCCL its watchdog aborts after 10 min."""
+    samples = _samples(4, 4)
+    out = run_gloo(_late_rank_0, 2, samples, 4)
+    assert out == [_as_lists(RolloutShard.from_samples(p)) for p in split_groups(samples, 4, 2)]
 
 
 # ---- the PPO loop at DP=2: dispatch trains bitwise as the pickled broadcast did ------------

@@ -180,7 +180,7 @@ async def _drive_client(sglang: SGLang) -> tuple[list, tuple]:
                     weight_version="4", flush_cache=False, load_format=fmt)
             await client.end_weight_update()
             await client.end_weight_update(best_effort=True)
-            await client.destroy_weights_update_group("g")
+            await client.destroy_weights_update_group("g", backend="gloo")
             await client.update_weights_from_disk("/x", weight_version="5")
             world = client.weight_group_world_size()
     finally:

@@ -135,3 +135,64 @@ def test_free_ports_come_from_below_the_ephemeral_range():
     from areal_mcore.net import _ephemeral_start, free_port
 
     assert all(10_000 <= free_port() < _ephemeral_start() for _ in range(20))
+
+
+def test_servers_launched_without_slurm_get_their_own_gpus_after_the_trainers():
+    """Outside Slurm every server inherited the trainer's environment and started on GPU 0,
+    beside trainer rank 0."""
+    from areal_mcore.rollout.launcher import server_gpus
+
+    cfg = ServerConfig(model_path="/m", backend="sglang", n_servers=2, tp_size=2)
+    assert server_gpus(cfg, gpu_count=8, trainer_gpus=4) == ["4,5", "6,7"]
+    assert server_gpus(cfg, gpu_count=8, trainer_gpus=1, visible="3,4,5,6,7,0,1,2") == ["4,5", "6,7"]
+    explicit = ServerConfig(model_path="/m", backend="sglang", n_servers=2, tp_size=2, gpus=[7, 6, 1, 2])
+    assert server_gpus(explicit, gpu_count=8, trainer_gpus=1) == ["7,6", "1,2"]
+    assert server_gpus(ServerConfig(model_path="/m"), gpu_count=0, trainer_gpus=1) == [None]  # CPU
+    with pytest.raises(ValueError, match=r"need 4 GPUs besides the trainer's 6; this node has 8: list the servers' "
+                                         r"GPUs \(server.gpus\)"):
+        server_gpus(cfg, gpu_count=8, trainer_gpus=6)
+    with pytest.raises(ValueError, match="must list n_servers x tp_size = 4 GPU indices"):
+        ServerConfig(model_path="/m", backend="sglang", n_servers=2, tp_size=2, gpus=[1, 2])
+
+
+def test_every_launch_path_sets_the_weight_update_groups_nccl_environment(tmp_path, monkeypatch):
+    """SGLang sets NCCL_CUMEM_ENABLE=0 and NCCL_NVLS_ENABLE=0 in its own process; the
+    trainer and vLLM servers must match (the Slurm launcher exported only the first)."""
+    import os
+
+    import areal_mcore.rollout.launcher as launcher
+    from areal_mcore.net import NCCL_ENV, set_nccl_env
+
+    assert NCCL_ENV == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+    env = {"NCCL_NVLS_ENABLE": "1"}
+    set_nccl_env(env)
+    assert env == {"NCCL_NVLS_ENABLE": "1", "NCCL_CUMEM_ENABLE": "0"}  # what a user set stays
+    for key in NCCL_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(launcher, "server_command", lambda cfg, *, port, seed: ["true"])
+    seen = {}
+    monkeypatch.setattr(launcher, "ServerProcess", lambda cmd, **kw: seen.update(kw["env"]) or _Up())
+    monkeypatch.setattr(launcher, "_gpu_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    launcher.launch_servers(ServerConfig(model_path="/m", backend="sglang", n_servers=1, tp_size=2,
+                                         log_dir=str(tmp_path)))
+    assert seen["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert {k: seen[k] for k in NCCL_ENV} == NCCL_ENV and "NCCL_CUMEM_ENABLE" not in os.environ
+    # The trainer's side: set before its process group forms.
+    import torch.distributed as dist
+
+    from areal_mcore import cli
+
+    at_init = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: at_init.update(os.environ))
+    monkeypatch.delenv("RANK", raising=False)
+    cli._init_distributed()
+    assert {k: at_init[k] for k in NCCL_ENV} == NCCL_ENV
+
+
+class _Up:
+    def wait_healthy(self, timeout_s):
+        pass
+
+    def stop(self, grace_s=0):
+        pass

@@ -386,3 +386,33 @@ def test_a_sync_while_requests_generate_tags_every_token_with_its_version_in_eac
             assert versions == sorted(versions, key=lambda v: v == str(version)), (mode, versions)
             assert set(versions) <= {before[mode], str(version)}, (mode, set(versions))
         assert any(len(set(v)) == 2 for v, _, _ in rows), (mode, "no completion spans the update")
+
+
+def _refused_connect_worker(rank, world, addresses):
+    from _actor_setup import tiny_actor
+
+    from areal_mcore.weight_sync.syncer import WeightSyncer
+
+    syncer = WeightSyncer(WeightSyncConfig(dtype="float32", master_address="127.0.0.1", timeout_s=120),
+                          tiny_actor(), addresses)
+
+    async def go():
+        t = time.monotonic()
+        try:
+            await syncer.connect()
+        except WeightSyncError as e:
+            return str(e), time.monotonic() - t
+        finally:
+            await syncer.close()
+        return None, time.monotonic() - t
+    return asyncio.run(go())
+
+
+def test_a_server_that_refuses_the_group_fails_the_setup_at_once_not_at_the_stores_timeout(tmp_path):
+    """The trainer's side of the rendezvous waits for every rank until weight_sync.timeout_s
+    (120 s here): a server's refusal, answered at once, must end the setup at once."""
+    model = tiny_hf_dir(str(tmp_path), seed=21)
+    with embedded_servers(model, str(tmp_path / "logs"), n=1, extra_args=["--refuse-group-init"]) as servers:
+        [(message, took)] = run_gloo(_refused_connect_worker, 1, [servers[0].address])
+    assert message is not None and "injected refusal" in message, message
+    assert took < 60, took

@@ -24,10 +24,10 @@ class LaunchConfig:
     server_startup_timeout_s: float = 1800.0
     # Exported to every step. For GPU-Direct RDMA over InfiniBand/RoCE admins set e.g.
     # NCCL_IB_HCA=mlx5_0,mlx5_1 NCCL_NET_GDR_LEVEL=PHB NCCL_SOCKET_IFNAME=ib0 (or the RoCE
-    # netdev) and NCCL_IB_GID_INDEX=3 for RoCE v2. NCCL_CUMEM_ENABLE=0: the weight-update
-    # group spans the trainer and SGLang processes, whose cuMem-based buffers cannot be
-    # registered across them (SGLang sets the same for its own groups).
-    env: dict[str, str] = field(default_factory=lambda: {"NCCL_CUMEM_ENABLE": "0"})
+    # netdev) and NCCL_IB_GID_INDEX=3 for RoCE v2. The weight-update group's own settings
+    # (net.NCCL_ENV: NCCL_CUMEM_ENABLE=0, NCCL_NVLS_ENABLE=0, as SGLang sets them) are added
+    # where this does not set them.
+    env: dict[str, str] = field(default_factory=dict)
     srun_args: list[str] = field(default_factory=list)  # added to every srun, e.g. --mpi=none
     # Each srun step's share of its node. Clusters that confine steps with cgroups give a
     # step without --cpus-per-task one CPU, and since Slurm 20.11 a step without explicit

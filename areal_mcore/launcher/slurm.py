@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from areal_mcore.launcher.allocation import parse_allocation
-from areal_mcore.net import free_port
+from areal_mcore.net import free_port, set_nccl_env
 from areal_mcore.run_dir import RunDir, Status
 
 
@@ -76,6 +76,7 @@ class Launcher:
         self.steps: dict[str, subprocess.Popen] = {}
         self.terminating, self.requeue_self = False, requeue_self
         os.environ.update({k: str(v) for k, v in cfg.launch.env.items()})  # srun steps inherit it
+        set_nccl_env(os.environ)  # and the weight-update group's NCCL settings, unless set
         gpus = cfg.launch.gpus
         self.gpus = (self.alloc.rollout is None or self.alloc.rollout.backend != "embedded") if gpus is None else gpus
 

@@ -328,8 +328,8 @@ class RolloutClient:
             master_address=master_address, master_port=master_port, group_name=group_name,
             backend=backend, stage=stage))
 
-    async def destroy_weights_update_group(self, group_name: str) -> None:
-        await self.engine.destroy_group(self, group_name)
+    async def destroy_weights_update_group(self, group_name: str, *, backend: str) -> None:
+        await self.engine.destroy_group(self, group_name, backend)
 
     async def begin_update(self, pause_mode: str) -> None:
         """Pauses generation and opens an update session on every server."""

@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from areal_mcore.checks import check_choice, check_positive, field_error
-from areal_mcore.net import free_port
+from areal_mcore.net import free_port, set_nccl_env
 from areal_mcore.rollout.engines import BACKENDS, engine_for
 
 TRANSFER_BACKENDS = ("auto", "areal_gloo", "nccl")
@@ -52,6 +52,10 @@ class ServerConfig:
     weight_transfer_backend: str = "auto"
     kv_cache_memory_mb: float | None = None
     enforce_eager: bool = False
+    # GPU indices of this node for the servers launched here (server i takes tp_size of
+    # them in order). None: with CUDA, the GPUs after the trainer's (torchrun's
+    # LOCAL_WORLD_SIZE ranks on GPUs 0..), never the trainer's own.
+    gpus: list[int] | None = None
 
     def __post_init__(self):
         check_choice("backend", self.backend, BACKENDS)
@@ -62,6 +66,29 @@ class ServerConfig:
         check_choice("weight_transfer_backend", self.weight_transfer_backend, TRANSFER_BACKENDS)
         if self.backend == "embedded" and self.tp_size != 1:
             raise field_error("tp_size", self.tp_size, "must be 1 with backend=embedded (one process per server)")
+        if self.gpus is not None and len(self.gpus) != self.n_servers * self.tp_size:
+            raise field_error("gpus", self.gpus, f"must list n_servers x tp_size = {self.n_servers * self.tp_size} "
+                                                 f"GPU indices, {self.tp_size} per server")
+
+
+def server_gpus(cfg: ServerConfig, *, gpu_count: int, trainer_gpus: int,
+                visible: str | None = None) -> list[str | None]:
+    """Each server's ``CUDA_VISIBLE_DEVICES`` on a node with ``gpu_count`` GPUs whose first
+    ``trainer_gpus`` the trainer's ranks hold; None each on a CPU node. Without it every
+    server inherits the trainer's environment and starts on GPU 0, beside trainer rank 0
+    (SGLang's --base-gpu-id and vLLM both default to the first visible GPU). Indices are
+    this process's; ``visible`` (its own CUDA_VISIBLE_DEVICES) maps them to the node's."""
+    if gpu_count == 0 and cfg.gpus is None:
+        return [None] * cfg.n_servers
+    gpus = list(cfg.gpus) if cfg.gpus is not None else list(range(trainer_gpus, gpu_count))
+    need = cfg.n_servers * cfg.tp_size
+    if len(gpus) < need or any(not 0 <= g < gpu_count for g in gpus):
+        raise field_error("gpus", cfg.gpus, f"{cfg.n_servers} servers x tp_size {cfg.tp_size} need {need} "
+                                            f"GPUs besides the trainer's {trainer_gpus}; this node has {gpu_count}: "
+                                            f"list the servers' GPUs (server.gpus) or start fewer servers")
+    names = visible.split(",") if visible else [str(g) for g in range(gpu_count)]
+    tp = cfg.tp_size
+    return [",".join(names[g] for g in gpus[i * tp:(i + 1) * tp]) for i in range(cfg.n_servers)]
 
 
 def server_command(cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
@@ -150,11 +177,15 @@ def launch_servers(cfg: ServerConfig, *, default_log_dir: str | None = None,
     log_dir = cfg.log_dir or default_log_dir or "logs/rollout"
     servers: list[ServerProcess] = []
     env = engine_for(cfg.backend).env(cfg, dict(os.environ) if env is None else env)
+    set_nccl_env(env)  # the weight-update group's settings, as the trainer's
+    gpus = server_gpus(cfg, gpu_count=_gpu_count(), trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                       visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def start(i: int) -> ServerProcess:
         port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
+        mine = env if gpus[i] is None else {**env, "CUDA_VISIBLE_DEVICES": gpus[i]}
         return ServerProcess(server_command(cfg, port=port, seed=cfg.seed + i), host=cfg.host,
-                             port=port, log_path=os.path.join(log_dir, f"server{i}.log"), env=env)
+                             port=port, log_path=os.path.join(log_dir, f"server{i}.log"), env=mine)
 
     try:
         for i in range(cfg.n_servers):
@@ -179,3 +210,9 @@ def launch_servers(cfg: ServerConfig, *, default_log_dir: str | None = None,
 
 
 _BIND_RETRIES = 2
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -14,7 +14,8 @@ refused while requests run, ``min_new_tokens`` refused without a tokenizer.
 Fault injection for tests (never set in production): ``--fail-update N`` makes the N-th
 ``update_weights_from_distributed`` receive its tensors and then fail, as a failed load
 does in SGLang; ``--die-at-update N`` SIGKILLs the server when the N-th arrives (a node
-lost mid-update, before that bucket's broadcast); ``--delay-group-init SUBSTR=SECONDS`` holds init calls whose group name
+lost mid-update, before that bucket's broadcast); ``--refuse-group-init`` refuses every
+update-group init at once; ``--delay-group-init SUBSTR=SECONDS`` holds init calls whose group name
 contains SUBSTR before they queue (to force an arrival order between servers).
 """
 
@@ -57,6 +58,7 @@ class ServerArgs:
     sglang_api: str = SGLANG_API_VERSION  # or "0.5.20": the old API (no update sessions)
     fail_update: int = 0  # fault injection (see the module docstring); 0: off
     die_at_update: int = 0  # fault injection: 0: off
+    refuse_group_init: bool = False  # fault injection
     delay_group_init: str | None = None  # fault injection: "SUBSTR=SECONDS"
 
     def __post_init__(self):
@@ -301,6 +303,8 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
                       group_name=name, backend=body.get("backend", "nccl"))
     except KeyError as e:
         return _result(False, f"init_weights_update_group needs {e.args[0]!r}")
+    if st.args.refuse_group_init:  # fault injection: refused at once, as a bad request is
+        return _result(False, "Failed to initialize custom process group: injected refusal.")
     # Fault injection: held before it queues, so it reaches the engine after later calls.
     await asyncio.sleep(_delay(st.args, name))
 
@@ -500,6 +504,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    help="fault injection: the N-th update_weights_from_distributed fails")
     p.add_argument("--die-at-update", type=int, default=0,
                    help="fault injection: SIGKILL at the N-th update_weights_from_distributed")
+    p.add_argument("--refuse-group-init", action="store_true",
+                   help="fault injection: refuse every init_weights_update_group at once")
     p.add_argument("--delay-group-init", default=None, metavar="SUBSTR=SECONDS",
                    help="fault injection: delay init calls whose group name contains SUBSTR")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")

@@ -31,6 +31,11 @@ class TrainerConfig:
     trace: bool = False  # Chrome trace of the step phases: <run>/trace.json (chrome://tracing)
     # Weights & Biases beside TensorBoard (trainer/wandb_log.py); mode=disabled by default.
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # How long the other ranks wait for rank 0 (its servers' start-up, a whole rollout, an
+    # eval) before they give up. These waits run on a gloo group with this timeout: an NCCL
+    # collective's watchdog aborts after 10 min (torch's default), shorter than one boba
+    # rollout of 8,192 samples up to 27,648 tokens.
+    wait_timeout_s: float = 6 * 3600.0
 
     def __post_init__(self):
         check_choice("mode", self.mode, TRAINER_MODES)
@@ -40,6 +45,7 @@ class TrainerConfig:
         check_positive("save_freq", self.save_freq, allow_zero=True)
         check_positive("eval_freq", self.eval_freq, allow_zero=True)
         check_positive("max_prompt_tokens", self.max_prompt_tokens)
+        check_positive("wait_timeout_s", self.wait_timeout_s)
 
 
 @dataclass(kw_only=True)

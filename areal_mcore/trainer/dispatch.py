@@ -156,11 +156,16 @@ class Dispatcher:
         dp_rank, dp_size: this rank's replica and the number of replicas.
         mp_group: this replica's model-parallel (TP x PP) group.
         world: the group holding rank 0 and every replica head (the trainer's world).
+        control: a gloo group of the same ranks whose timeout covers a rollout: every rank
+            waits there for rank 0's batch (the shards' sizes), and the data then moves on
+            ``world`` at once. A wait on an NCCL ``world`` is aborted by its watchdog after
+            10 min (torch's default), while rank 0 generates the batch.
     """
 
     def __init__(self, *, dp_rank: int, dp_size: int, mp_group: dist.ProcessGroup | None,
-                 world: dist.ProcessGroup | None):
+                 world: dist.ProcessGroup | None, control: dist.ProcessGroup | None):
         self.dp_rank, self.dp_size, self.mp, self.world = dp_rank, dp_size, mp_group, world
+        self.control = control
         self.rank = dist.get_rank()
         self.head = min(dist.get_process_group_ranks(mp_group)) if mp_group is not None else self.rank
         # Once per run (small): which global rank heads each replica.
@@ -178,31 +183,30 @@ class Dispatcher:
         None; every rank gets its replica's shard (on the world group's device: the GPU
         under NCCL)."""
         st = DispatchStats()
+        t0 = time.perf_counter()
+        headers = torch.empty(self.dp_size, 3, dtype=torch.int64)  # every replica's (B, T, O)
         if self.rank == 0:
-            t0 = time.perf_counter()
             shards = [RolloutShard.from_samples(part, packer)
                       for part in split_groups(samples, group_size, self.dp_size)]
             wire = [(s.header(), s.to_bytes()) for s in shards]
-            t1 = time.perf_counter()
+            headers = torch.stack([h for h, _ in wire])
+            st.pack_s = time.perf_counter() - t0
+        collectives.broadcast(headers, 0, self.control)  # the long wait, on gloo
+        header = headers[self.dp_rank]
+        t1 = time.perf_counter()
+        if self.rank == 0:
             for d in range(1, self.dp_size):
-                header, buffer = wire[d]
-                collectives.send(header, self.heads[d], self.world)
-                collectives.send(buffer, self.heads[d], self.world)
-                st.bytes_sent += header.nbytes + buffer.nbytes
-            st.pack_s, st.send_s = t1 - t0, time.perf_counter() - t1
-            header, buffer = wire[0][0].to(self.device), wire[0][1].to(self.device)
+                collectives.send(wire[d][1], self.heads[d], self.world)
+                st.bytes_sent += headers[d].nbytes + wire[d][1].nbytes
+            st.send_s = time.perf_counter() - t1
+            buffer = wire[0][1].to(self.device)
         elif self.rank == self.head:
-            t0 = time.perf_counter()
-            header = collectives.recv(torch.empty(3, dtype=torch.int64, device=self.device), 0, self.world)
             buffer = torch.empty(RolloutShard.nbytes_of(header), dtype=torch.uint8, device=self.device)
             collectives.recv(buffer, 0, self.world)
             st.recv_s = time.perf_counter() - t0
             st.bytes_received = header.nbytes + buffer.nbytes
         if self.mp_size > 1:
             t0 = time.perf_counter()
-            if self.rank != self.head:
-                header = torch.empty(3, dtype=torch.int64, device=self.device)
-            collectives.broadcast(header, self.head, self.mp)
             if self.rank != self.head:
                 buffer = torch.empty(RolloutShard.nbytes_of(header), dtype=torch.uint8, device=self.device)
             collectives.broadcast(buffer, self.head, self.mp)

@@ -12,13 +12,17 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import TypeVar
 
+from areal_mcore.devices import inherit_device
+
 T = TypeVar("T")
 
 
 class LoopThread:
     def __init__(self, name: str = "ppo-asyncio"):
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        # On the creating (bound) thread's GPU: the weight sync runs CUDA work here.
+        self._thread = threading.Thread(target=inherit_device(self.loop.run_forever), name=name,
+                                        daemon=True)
         self._thread.start()
 
     def run(self, coro: Coroutine[object, object, T]) -> T:

@@ -17,6 +17,7 @@ import dataclasses
 import signal
 import threading
 import time
+from datetime import timedelta
 from functools import partial
 
 import torch.distributed as dist
@@ -124,13 +125,17 @@ class PPORun:
                                    total_optimizer_steps=cfg.trainer.total_steps * cfg.ppo.ppo_n_minibatches)
         self.actor.load_hf_state_dict(load_hf_state_dict(cfg.model_path))
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)
+        # Where the other ranks wait for rank 0 (server start-up, rollouts, evals): gloo, with
+        # the config's timeout. On the NCCL world they would be aborted by its 10 min watchdog.
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.trainer.wait_timeout_s))
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.rollout_side = RolloutSide(cfg, tokenizer, self.files, self.loop)
         addresses = self.rollout_side.addresses if self.rollout_side is not None else None
-        addresses = collectives.broadcast_object(addresses, 0, dist.group.WORLD)
+        addresses = collectives.broadcast_object(addresses, 0, self.control)
         g = self.actor.groups
-        self.dispatcher = Dispatcher(dp_rank=g.dp_rank, dp_size=g.dp_size, mp_group=g.mp, world=dist.group.WORLD)
+        self.dispatcher = Dispatcher(dp_rank=g.dp_rank, dp_size=g.dp_size, mp_group=g.mp, world=dist.group.WORLD,
+                                     control=self.control)
         self.syncer = WeightSyncer(cfg.weight_sync, self.actor, addresses, api_key=cfg.server.api_key,
                                    backend=cfg.server.backend)
         self.loop.run(self.syncer.connect())

@@ -39,6 +39,7 @@ import torch
 
 from areal_mcore import collectives
 from areal_mcore.checks import check_choice, check_positive, field_error
+from areal_mcore.devices import inherit_device
 from areal_mcore.model import adapter
 from areal_mcore.net import free_port
 from areal_mcore.rollout.client import ClientConfig, RolloutClient, RolloutError
@@ -127,13 +128,19 @@ class WeightSyncer:
         self.group_name: str | None = None  # this connection's group (stage heads)
         self._spec = None  # its GroupSpec (what the engine's bucket requests name)
         self._regroup = False  # a push failed: form fresh groups before the next one
-        device = next(actor.model.module.parameters()).device
-        self._buffers = (ReusableBuffer(device), ReusableBuffer(device))
+        self._device = next(actor.model.module.parameters()).device
+        self._buffers = (ReusableBuffer(self._device), ReusableBuffer(self._device))
+
+    def _in_thread(self, fn, *args, **kwargs):
+        """``fn`` on a worker thread bound to this rank's GPU: every thread job here touches
+        CUDA (the object all-gather over NCCL, the gather, the broadcast, the group), and a
+        worker thread's current device is cuda:0 until set (devices.inherit_device)."""
+        return asyncio.to_thread(inherit_device(fn, self._device), *args, **kwargs)
 
     # ---- plan --------------------------------------------------------------------------
     def plan(self) -> SyncPlan:
         """This stage's plan; rebuilt only when the parameter shapes change."""
-        shapes = {n: p.shape for n, p in self.actor.model.module.named_parameters()}
+        shapes = {n: p.shape for n, p in adapter.module_weights(self.actor.model.module).items()}
         if self._plan is None or self._plan.key != plan_key(shapes):
             self._plan = make_plan(shapes, self.actor.args, tp_size=self.g.tp_size,
                                    pp_rank=self.g.pp_rank, pp_size=self.g.pp_size,
@@ -184,15 +191,20 @@ class WeightSyncer:
         spec = self.client.group_spec(master_address=address, master_port=port,
                                       group_name=name, backend=backend, stage=self.g.pp_rank)
         join = asyncio.ensure_future(self.client.engine.init_group(self.client, spec))
-        try:
-            self._group = await asyncio.to_thread(
-                open_group, self.client.engine.trainer_transport(backend),
-                master_address=address, master_port=port,
-                world_size=self.client.weight_group_world_size(), group_name=name,
-                backend=backend, timeout_s=cfg.timeout_s)
-            self.group_name, self._spec = name, spec
-        finally:
-            await join
+        rendezvous = asyncio.ensure_future(self._in_thread(
+            open_group, self.client.engine.trainer_transport(backend),
+            master_address=address, master_port=port,
+            world_size=self.client.weight_group_world_size(), group_name=name,
+            backend=backend, timeout_s=cfg.timeout_s))
+        # A server that refuses to join fails the setup at once: this side would wait for
+        # it in the rendezvous until weight_sync.timeout_s (its store waits for every rank).
+        await asyncio.wait({join, rendezvous}, return_when=asyncio.FIRST_EXCEPTION)
+        if join.done() and join.exception() is not None:
+            rendezvous.add_done_callback(_close_late_group)
+            raise join.exception()
+        self._group = await rendezvous
+        self.group_name, self._spec = name, spec
+        await join
 
     async def _destroy_group(self) -> None:
         """Servers first (best effort: one may be dead), then this side."""
@@ -201,8 +213,8 @@ class WeightSyncer:
         try:
             # Bounded: a server left in a bucket's receive (a peer died mid-update) serves
             # the destroy on its engine thread only after its group's timeout (600 s).
-            await asyncio.wait_for(self.client.destroy_weights_update_group(self.group_name),
-                                   self.destroy_timeout_s)
+            await asyncio.wait_for(self.client.destroy_weights_update_group(
+                self.group_name, backend=self._spec.backend), self.destroy_timeout_s)
         except (RolloutError, asyncio.TimeoutError):
             pass
         self._close_local_group()
@@ -266,7 +278,7 @@ class WeightSyncer:
         if not self.participates:
             return
         group = self.g.mp if self.cfg.mode == "distributed" else None  # disk: every rank
-        everyone = await asyncio.to_thread(collectives.all_gather_object,
+        everyone = await self._in_thread(collectives.all_gather_object,
                                            (stats.failures, stats.failed_servers), group)
         messages = [m for ms, _ in everyone for m in ms]
         servers = sorted({s for _, ss in everyone for s in ss})
@@ -284,9 +296,9 @@ class WeightSyncer:
                 self._gather(plan, i, stats)
             return
         last_stage = self.g.pp_rank == self.g.pp_size - 1
-        payload = await asyncio.to_thread(self._gather, plan, 0, stats)
+        payload = await self._in_thread(self._gather, plan, 0, stats)
         for i in range(n):
-            nxt = (asyncio.ensure_future(asyncio.to_thread(self._gather, plan, i + 1, stats))
+            nxt = (asyncio.ensure_future(self._in_thread(self._gather, plan, i + 1, stats))
                    if i + 1 < n else None)  # overlaps this bucket's send
             if stats.failures:  # keep gathering: TP peers must not be left in a collective
                 payload = await nxt if nxt else None
@@ -297,7 +309,7 @@ class WeightSyncer:
                 group=self._spec, flatten=self._flatten(),
                 weight_version=str(version) if last_stage and i == n - 1 else None)))
             wire = asyncio.ensure_future(
-                self._timed(stats, "wire_s", asyncio.to_thread(self._broadcast, payload)))
+                self._timed(stats, "wire_s", self._in_thread(self._broadcast, payload)))
             for what, r in ((f"bucket {i} request", await self._answers(http, wire)),
                             (f"bucket {i} broadcast", wire.exception())):
                 if r is not None:
@@ -347,11 +359,11 @@ class WeightSyncer:
     def _gather(self, plan: SyncPlan, i: int, stats: SyncStats) -> list[torch.Tensor] | None:
         """TP all-gather of bucket ``i``; on the stage head, its HF tensors ready to send."""
         t0 = time.perf_counter()
-        g, module = self.g, self.actor.model.module
+        g, weights = self.g, adapter.module_weights(self.actor.model.module)
         names = [u.mcore for u in plan.buckets[i]]
         shards: list[dict[str, torch.Tensor]] = [{} for _ in range(g.tp_size)]
         for name in names:
-            local = module.get_parameter(name).detach()
+            local = weights[name].detach()
             if g.tp_size == 1:
                 shards[0][name] = local
                 continue
@@ -379,7 +391,7 @@ class WeightSyncer:
 
         t = time.perf_counter()
         # Written before the pause: generation goes on while the export is written.
-        await asyncio.to_thread(save_hf, self.actor, self.cfg.disk_dir, dtype=DTYPES[self.cfg.dtype])
+        await self._in_thread(save_hf, self.actor, self.cfg.disk_dir, dtype=DTYPES[self.cfg.dtype])
         stats.convert_s = time.perf_counter() - t
 
         async def load() -> None:
@@ -398,3 +410,10 @@ def pack_bucket(buffer: ReusableBuffer, tensors: list[torch.Tensor], shapes: lis
     for view, t in zip(views, tensors, strict=True):
         view.copy_(t)
     return [flat.view(torch.uint8)] if flatten else views
+
+
+def _close_late_group(rendezvous: asyncio.Future) -> None:
+    """The trainer's side of a group a server refused: closed if it formed after all, its
+    timeout error consumed (nobody awaits it)."""
+    if not rendezvous.cancelled() and rendezvous.exception() is None:
+        rendezvous.result().close()

@@ -117,7 +117,7 @@ class Engine:
         """Blocks until every server joined; the trainer joins as rank 0 concurrently."""
         raise NotImplementedError
 
-    async def destroy_group(self, fleet: RolloutClient, group_name: str) -> None:
+    async def destroy_group(self, fleet: RolloutClient, group_name: str, backend: str) -> None:
         raise NotImplementedError
 
     async def begin_update(self, fleet: RolloutClient, pause_mode: str) -> None:

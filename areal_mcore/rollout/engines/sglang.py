@@ -105,7 +105,7 @@ class SGLangEngine(Engine):
             "backend": spec.backend}, timeout=600)
             for s, o in zip(fleet.servers, spec.rank_offsets, strict=True)])
 
-    async def destroy_group(self, fleet: RolloutClient, group_name: str) -> None:
+    async def destroy_group(self, fleet: RolloutClient, group_name: str, backend: str) -> None:
         await fleet.all("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     async def begin_update(self, fleet: RolloutClient, pause_mode: str) -> None:

@@ -252,9 +252,13 @@ class VLLMEngine(Engine):
                                        {"init_info": info}, timeout=600))
         await fleet.each(fleet.servers, calls)
 
-    async def destroy_group(self, fleet: RolloutClient, group_name: str) -> None:
-        """vLLM has no route to destroy one group; the gloo engine replaces a stage's
-        group at its next init, so there is nothing to do here."""
+    async def destroy_group(self, fleet: RolloutClient, group_name: str, backend: str) -> None:
+        """vLLM's NCCL engine holds one communicator, which a second
+        ``init_transfer_engine`` overwrites without freeing (``nccl_engine.py``): it is shut
+        down (``/shutdown_weight_transfer_engine``, which frees it) before the next group
+        forms. Our gloo engine destroys a stage's old group at its next init itself."""
+        if backend != "gloo":
+            await fleet.all("POST", "/shutdown_weight_transfer_engine", {})
 
     async def begin_update(self, fleet: RolloutClient, pause_mode: str) -> None:
         await self.pause(fleet, pause_mode)
