@@ -31,6 +31,7 @@ succeeds.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -137,6 +138,34 @@ class WeightSyncer:
         worker thread's current device is cuda:0 until set (devices.inherit_device)."""
         return asyncio.to_thread(inherit_device(fn, self._device), *args, **kwargs)
 
+    def _in_daemon_thread(self, fn, *args, **kwargs) -> asyncio.Future:
+        """``_in_thread`` on a daemon thread of its own: a rendezvous that a refusing server
+        left waiting runs on to its timeout without holding the process at exit (the
+        default executor's threads are joined then: a failed setup exited 120 s late)."""
+        loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
+        bound = inherit_device(fn, self._device)
+
+        def settle(result, error) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        def run() -> None:
+            try:
+                result, error = bound(*args, **kwargs), None
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                result, error = None, e
+            try:
+                loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # the loop is gone: nobody waits for this any more
+                if error is None and hasattr(result, "close"):
+                    result.close()
+        threading.Thread(target=run, name="weight-sync-rendezvous", daemon=True).start()
+        return done
+
     # ---- plan --------------------------------------------------------------------------
     def plan(self) -> SyncPlan:
         """This stage's plan; rebuilt only when the parameter shapes change."""
@@ -191,7 +220,7 @@ class WeightSyncer:
         spec = self.client.group_spec(master_address=address, master_port=port,
                                       group_name=name, backend=backend, stage=self.g.pp_rank)
         join = asyncio.ensure_future(self.client.engine.init_group(self.client, spec))
-        rendezvous = asyncio.ensure_future(self._in_thread(
+        rendezvous = asyncio.ensure_future(self._in_daemon_thread(
             open_group, self.client.engine.trainer_transport(backend),
             master_address=address, master_port=port,
             world_size=self.client.weight_group_world_size(), group_name=name,
