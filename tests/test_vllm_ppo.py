@@ -20,7 +20,6 @@ pytestmark = [pytest.mark.server, pytest.mark.venv]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
 STEPS = 60
-LR = 4e-4  # make run's 2e-4 rose 0.078 in 50 steps; 1e-3 rose only 0.02 in 30 (measured)
 
 
 def _cli(*args: str, timeout: float) -> None:
@@ -39,7 +38,7 @@ def test_a_short_tiny_ppo_run_on_vllm_raises_held_out_accuracy(tmp_path):
              f"trainer.log_dir={tmp_path / 'runs'}", "trainer.progress=false"]
     _cli("sft", "--config", CONFIG, *paths, "actor.optimizer.lr=3e-3", timeout=900)  # as make run
     _cli("train", "--config", CONFIG, *paths, f"model_path={sft_model}",
-         "server.backend=vllm", f"server.python={python}", "server.enforce_eager=true", f"actor.optimizer.lr={LR}",
+         "server.backend=vllm", f"server.python={python}", "server.enforce_eager=true",
          f"trainer.total_steps={STEPS}", f"trainer.eval_freq={STEPS}", timeout=1800)
 
     run = tmp_path / "runs" / "tiny-cpu"
@@ -52,7 +51,24 @@ def test_a_short_tiny_ppo_run_on_vllm_raises_held_out_accuracy(tmp_path):
     assert all(e["eval/n_samples"] == 200 * 8 for e in evals)  # 200 held-out problems x 8 samples
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     print(f"held-out accuracy on vLLM: {before:.3f} -> {after:.3f} in {STEPS} steps")
-    # Measured rises: +0.065 in 60 steps here, +0.078 in 50 at make run's lr. The sampling
-    # noise of the difference is ~0.014 at 1600 samples per eval, so 0.03 is ~2 sd above
-    # no change and ~2.5 sd below the measured rise.
-    assert after >= before + 0.03, (before, after)
+    # Measured rises at make run's lr 2e-4: +0.078 in 50 steps (make run), +0.087 in 60 here
+    # beside `stress --cpu 2`. The sampling noise of the difference is ~0.014 at 1600
+    # samples per eval, so 0.03 is ~2 sd above no change. At lr 4e-4 this test rose only
+    # +0.039..+0.065 and once fell to 0.001 in CI (cause not found: no trajectory was kept,
+    # which the assertion now prints).
+    assert after >= before + 0.03, (before, after, _trajectory(rows))
+
+
+def _trajectory(rows: list[dict]) -> str:
+    """Per 10 steps: mean rollout reward, responses without EOS, max grad norm."""
+    def mean(xs):
+        return sum(xs) / len(xs)
+    out = []
+    for i in range(0, len(rows), 10):
+        part = rows[i:i + 10]
+        grad = max(max(r["train/grad_norm"]) if isinstance(r["train/grad_norm"], list)
+                   else r["train/grad_norm"] for r in part)
+        out.append(f"steps {part[0]['step']}-{part[-1]['step']}: reward "
+                   f"{mean([r['rollout/reward_mean'] for r in part]):.3f}, no-EOS "
+                   f"{mean([r['rollout/no_eos_ratio'] for r in part]):.3f}, grad<= {grad:.2f}")
+    return "; ".join(out)
