@@ -15,7 +15,9 @@ A test (tests/test_collectives.py) checks no other module calls collectives dire
 
 from __future__ import annotations
 
+import datetime
 import functools
+import time
 from typing import Any
 
 import torch
@@ -72,26 +74,45 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
     return _in_place(tensor, group, lambda t: dist.broadcast(t, src=src, group=group))
 
 
-def broadcast_many(tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
-    """Broadcasts from global rank ``src``, queued back to back and then awaited (the
-    weight sync's tensors already live on the actor's device, which the group serves)."""
+def broadcast_many(tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup, *,
+                   timeout_s: float) -> None:
+    """Broadcasts from global rank ``src``, queued back to back and then awaited, all within
+    ``timeout_s`` (the weight sync's tensors already live on the actor's device, which the
+    group serves). Without a timeout NCCL's ``Work.wait()`` returns once the broadcast is
+    queued on the stream, so the host never learns that a peer never joined; with one it
+    blocks until the work completes, else aborts the communicator and raises
+    (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, ``WorkNCCL::wait``: "a timeout
+    value is specified by the user, we block the CPU thread"). Gloo's wait honours it too
+    (a receiver that never receives: "Operation timed out!", measured)."""
+    deadline = time.monotonic() + timeout_s
     moved = [on_group_device(t, group) for t in tensors]
     works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in moved]
     for w in works:
-        w.wait()
+        w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
     for t, m in zip(tensors, moved):
         if m is not t:
             t.copy_(m)
 
 
-def broadcast_pynccl(tensors: list[torch.Tensor], src: int, communicator) -> None:
+def broadcast_pynccl(tensors: list[torch.Tensor], src: int, communicator, *,
+                     timeout_s: float) -> None:
     """Broadcasts over one of vLLM's ``PyNcclCommunicator``s (the trainer's side of its
     NCCL weight-transfer group), one tensor at a time on the current stream, as vLLM's
-    ``NCCLTrainerWeightTransferEngine._broadcast`` does for unpacked transfers."""
+    ``NCCLTrainerWeightTransferEngine._broadcast`` does for unpacked transfers. vLLM's
+    communicator has no watchdog, and ``stream.synchronize()`` would wait for ever on a
+    peer that never joins: an event polled until ``timeout_s`` bounds the wait (the caller
+    then aborts the communicator: ``PyNcclCommunicator.destroy`` is ``ncclCommAbort``)."""
     stream = torch.cuda.current_stream()
     for t in tensors:
         communicator.broadcast(t if t.is_contiguous() else t.contiguous(), src=src, stream=stream)
-    stream.synchronize()
+    done = torch.cuda.Event()
+    done.record(stream)
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"NCCL broadcast of {len(tensors)} tensors not complete after "
+                               f"{timeout_s:g} s: a server never received it")
+        time.sleep(1e-3)
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:

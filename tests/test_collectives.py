@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,45 @@ def test_collectives_on_gloo_return_the_reduced_values():
         assert r[:4] == ([3.0], [1], [10], [[0, 0], [1, -1]])
         assert r[4] == ([0.0, 0.0] if rank == 0 else [7.0, 8.0])
         assert r[5:] == ([{"r": 0}, {"r": 1}], "from 0", "cpu")
+
+
+def _unreceived_broadcast(rank, world):
+    if rank == 1:  # never takes part
+        time.sleep(6)
+        return None
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out"):
+        collectives.broadcast_many([torch.ones(4), torch.ones(2**16)], 0, dist.group.WORLD, timeout_s=2)
+    return time.monotonic() - t
+
+
+def test_a_broadcast_nobody_receives_raises_at_its_bound_not_the_groups_timeout():
+    took, _ = run_gloo(_unreceived_broadcast, 2)
+    assert 1.5 < took < 5, took
+
+
+def test_an_nccl_broadcast_that_never_completes_raises_at_its_bound(monkeypatch):
+    """vLLM's PyNcclCommunicator only queues the broadcast on the stream (ncclBroadcast) and
+    has no watchdog: an event that never completes stands for a peer that never joined."""
+    sent = []
+
+    class Event:
+        def record(self, stream):
+            pass
+
+        def query(self):
+            return False
+
+    class Communicator:
+        def broadcast(self, tensor, src, stream):
+            sent.append(tuple(tensor.shape))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: object())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match="never received"):
+        collectives.broadcast_pynccl([torch.ones(3), torch.ones(2, 2).t()], 0, Communicator(), timeout_s=0.3)
+    assert sent == [(3,), (2, 2)] and time.monotonic() - t < 3
 
 
 def _ppo() -> PPOConfig:

@@ -115,6 +115,12 @@ def test_pause_mode_takes_sglangs_three_modes_only():
         load_config(TINY, ["weight_sync.pause_mode=inplace"])
 
 
+def test_a_buckets_bound_must_stay_below_the_update_groups_timeout():
+    assert load_config(TINY, ["weight_sync.bucket_timeout_s=60"]).weight_sync.bucket_timeout_s == 60
+    with pytest.raises(ConfigError, match=r"weight_sync.bucket_timeout_s=600.0 .*below timeout_s \(600\)"):
+        load_config(TINY, ["weight_sync.bucket_timeout_s=600"])
+
+
 def test_reward_norm_group_size_mismatching_n_samples_is_refused_naming_both_keys():
     with pytest.raises(ConfigError) as e:
         load_config(BOBA_7B, ["ppo.reward_norm.group_size=8", "rollout.n_samples=16"])

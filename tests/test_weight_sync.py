@@ -286,6 +286,51 @@ def test_a_push_failed_mid_bucket_closes_the_session_and_the_next_push_succeeds(
             assert len(groups) == 2 and len(set(groups)) == 2  # re-formed, never reused
 
 
+def _refused_bucket_worker(rank, world, addresses):
+    """A push that one server refuses before its receive, then the next push."""
+    from _actor_setup import tiny_actor
+
+    from areal_mcore.weight_sync.syncer import WeightSyncer
+
+    actor = tiny_actor()
+    # The group's timeout is 120 s, a bucket's broadcast may take 60 s.
+    syncer = WeightSyncer(WeightSyncConfig(dtype="float32", master_address="127.0.0.1",
+                                           timeout_s=120), actor, addresses)
+
+    async def go():
+        await syncer.connect()
+        t = time.monotonic()
+        try:
+            await syncer.push(1)
+            first = None
+        except WeightSyncError as e:
+            first = (str(e), e.failed_servers)
+        took = time.monotonic() - t
+        stats = await syncer.push(2)
+        await syncer.close()
+        return first, took, stats
+    first, took, stats = asyncio.run(go())
+    return first, took, stats, {k: v.clone() for k, v in actor.hf_state_dict().items()}
+
+
+def test_a_refused_bucket_fails_the_push_at_once_and_the_next_push_succeeds(tmp_path):
+    """A server that refuses a bucket never receives it, so the broadcast cannot complete:
+    the trainer waited in it for the group's timeout (120 s here; on NCCL the host never
+    waits for a queued broadcast at all). Its refusal must end the push at once."""
+    model = tiny_hf_dir(str(tmp_path), seed=21)
+    with contextlib.ExitStack() as stack:
+        good = stack.enter_context(embedded_servers(model, str(tmp_path / "a"), n=1))[0]
+        bad = stack.enter_context(embedded_servers(model, str(tmp_path / "b"), n=1,
+                                                   extra_args=["--refuse-update", "1"]))[0]
+        [(first, took, stats, hf)] = run_gloo(_refused_bucket_worker, 1, [good.address, bad.address])
+        assert first is not None and "injected refusal" in first[0], first
+        assert first[1] == [bad.address], first
+        print(f"the refused push failed after {took:.1f} s")
+        assert took < 30, took
+        assert not stats.failures and stats.buckets >= 1
+        _check_servers_equal([good, bad], hf, 2)
+
+
 def _stale_session_worker(rank, world, addresses):
     """A trainer that dies between begin_weight_update and end_weight_update."""
     from areal_mcore.rollout.client import ClientConfig, RolloutClient

@@ -264,21 +264,33 @@ class RolloutClient:
 
     # ---- fleet control (the engine's protocol) -------------------------------------------
     async def all(self, method: str, path: str, body: dict | None = None, *,
-                  servers: list[_Server] | None = None, timeout: float = 600.0) -> list:
-        """The same call on every server, concurrently; every failure is reported."""
+                  servers: list[_Server] | None = None, timeout: float = 600.0,
+                  fail_fast: bool = False) -> list:
+        """The same call on every server, concurrently; every failure is reported
+        (``fail_fast``: those up to the first, see ``each``)."""
         servers = self.servers if servers is None else servers
         return await self.each(servers, [self._request(s, method, path, body, timeout=timeout,
-                                                       close=True) for s in servers])
-
-    _all = all
+                                                       close=True) for s in servers],
+                               fail_fast=fail_fast)
 
     @staticmethod
-    async def each(servers: list[_Server], calls: list) -> list:
-        """Awaits one call per server; raises one RolloutError naming every server that failed."""
-        out = await asyncio.gather(*calls, return_exceptions=True)
-        failed = [(s, e) for s, e in zip(servers, out) if isinstance(e, BaseException)]
+    async def each(servers: list[_Server], calls: list, *, fail_fast: bool = False) -> list:
+        """Awaits one call per server; raises one RolloutError naming every server that
+        failed. ``fail_fast``: the first failure cancels the calls still running (a weight
+        bucket: the other servers answer only after a broadcast that cannot complete)."""
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        if fail_fast and tasks:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                t.cancel()  # a no-op on the finished ones
+        out = await asyncio.gather(*tasks, return_exceptions=True)
+        failed = [(s, e) for s, e in zip(servers, out)
+                  if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
         if failed:
-            raise RolloutError("; ".join(str(e) for _, e in failed), [s.address for s, _ in failed])
+            cancelled = sum(isinstance(e, asyncio.CancelledError) for e in out)
+            note = f" ({cancelled} other server(s)' calls cancelled)" if cancelled else ""
+            raise RolloutError("; ".join(str(e) for _, e in failed) + note,
+                               [s.address for s, _ in failed])
         return list(out)
 
     async def abort(self, rid: str) -> None:

@@ -14,7 +14,9 @@ refused while requests run, ``min_new_tokens`` refused without a tokenizer.
 Fault injection for tests (never set in production): ``--fail-update N`` makes the N-th
 ``update_weights_from_distributed`` receive its tensors and then fail, as a failed load
 does in SGLang; ``--die-at-update N`` SIGKILLs the server when the N-th arrives (a node
-lost mid-update, before that bucket's broadcast); ``--refuse-group-init`` refuses every
+lost mid-update, before that bucket's broadcast); ``--refuse-update N`` answers the N-th
+with a refusal before its receive (as a request that fails validation is);
+``--refuse-group-init`` refuses every
 update-group init at once; ``--delay-group-init SUBSTR=SECONDS`` holds init calls whose group name
 contains SUBSTR before they queue (to force an arrival order between servers).
 """
@@ -58,6 +60,7 @@ class ServerArgs:
     sglang_api: str = SGLANG_API_VERSION  # or "0.5.20": the old API (no update sessions)
     fail_update: int = 0  # fault injection (see the module docstring); 0: off
     die_at_update: int = 0  # fault injection: 0: off
+    refuse_update: int = 0  # fault injection: 0: off
     refuse_group_init: bool = False  # fault injection
     delay_group_init: str | None = None  # fault injection: "SUBSTR=SECONDS"
 
@@ -385,6 +388,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     st.updates += 1
     if st.updates == st.args.die_at_update:
         os.kill(os.getpid(), signal.SIGKILL)
+    if st.updates == st.args.refuse_update:  # answered before the receive, as a bad request is
+        return _result(False, "update_weights_from_distributed: injected refusal (--refuse-update)")
     inject = st.updates == st.args.fail_update
 
     def receive_and_load() -> str | None:
@@ -504,6 +509,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    help="fault injection: the N-th update_weights_from_distributed fails")
     p.add_argument("--die-at-update", type=int, default=0,
                    help="fault injection: SIGKILL at the N-th update_weights_from_distributed")
+    p.add_argument("--refuse-update", type=int, default=0,
+                   help="fault injection: refuse the N-th update_weights_from_distributed "
+                        "before its receive")
     p.add_argument("--refuse-group-init", action="store_true",
                    help="fault injection: refuse every init_weights_update_group at once")
     p.add_argument("--delay-group-init", default=None, metavar="SUBSTR=SECONDS",

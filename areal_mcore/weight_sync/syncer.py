@@ -68,7 +68,10 @@ class WeightSyncConfig:
     # their cache: old-weight KV, no flush).
     pause_mode: str = "abort"
     disk_dir: str | None = None
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # the update groups' (store, rendezvous, NCCL watchdog)
+    # How long one bucket's broadcast may take before the push fails; None: timeout_s / 2.
+    # Below timeout_s, so that NCCL's watchdog (which ends the process) never fires first.
+    bucket_timeout_s: float | None = None
 
     def __post_init__(self):
         check_choice("mode", self.mode, MODES)
@@ -76,6 +79,10 @@ class WeightSyncConfig:
         check_choice("backend", self.backend, ("auto", "nccl", "gloo"))
         check_positive("bucket_mb", self.bucket_mb)
         check_choice("pause_mode", self.pause_mode, PAUSE_MODES)
+        if self.bucket_timeout_s is not None and not 0 < self.bucket_timeout_s < self.timeout_s:
+            raise field_error("bucket_timeout_s", self.bucket_timeout_s,
+                              f"must be > 0 and below timeout_s ({self.timeout_s:g}): the update "
+                              "group's own timeout would end the trainer first (NCCL's watchdog)")
         if self.mode == "disk" and not self.disk_dir:
             raise field_error("disk_dir", self.disk_dir, "is needed with mode=disk (a shared filesystem path)")
 
@@ -139,9 +146,10 @@ class WeightSyncer:
         return asyncio.to_thread(inherit_device(fn, self._device), *args, **kwargs)
 
     def _in_daemon_thread(self, fn, *args, **kwargs) -> asyncio.Future:
-        """``_in_thread`` on a daemon thread of its own: a rendezvous that a refusing server
-        left waiting runs on to its timeout without holding the process at exit (the
-        default executor's threads are joined then: a failed setup exited 120 s late)."""
+        """``_in_thread`` on a daemon thread of its own: a rendezvous or a gloo send that a
+        refusing server left waiting runs on to its timeout without holding the process at
+        exit (the default executor's threads are joined then: a failed setup exited 120 s
+        late)."""
         loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
         bound = inherit_device(fn, self._device)
 
@@ -163,7 +171,7 @@ class WeightSyncer:
             except RuntimeError:  # the loop is gone: nobody waits for this any more
                 if error is None and hasattr(result, "close"):
                     result.close()
-        threading.Thread(target=run, name="weight-sync-rendezvous", daemon=True).start()
+        threading.Thread(target=run, name=f"weight-sync-{fn.__name__}", daemon=True).start()
         return done
 
     # ---- plan --------------------------------------------------------------------------
@@ -249,12 +257,13 @@ class WeightSyncer:
         self._close_local_group()
         self.group_name, self._spec = None, None
 
-    def _close_local_group(self) -> None:
+    def _close_local_group(self, *, abort: bool = False) -> None:
         """This side only (idempotent): its gloo pairs close, so a server waiting in a
-        receive of this group fails there at once ("connection closed by peer")."""
-        if self._group is not None:
-            self._group.close()
-            self._group = None
+        receive of this group fails there at once ("connection closed by peer");
+        ``abort``: a broadcast may be pending (transport.py)."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.abort() if abort else group.close()
 
     async def close(self) -> None:
         if self.client is not None:
@@ -337,11 +346,13 @@ class WeightSyncer:
                 names=names, dtypes=[plan.dtype] * len(names), shapes=shapes,
                 group=self._spec, flatten=self._flatten(),
                 weight_version=str(version) if last_stage and i == n - 1 else None)))
+            # On a daemon thread: a gloo send to a server that refused the bucket runs on to
+            # its bound after the push failed (_answers), without holding the exit.
             wire = asyncio.ensure_future(
-                self._timed(stats, "wire_s", self._in_thread(self._broadcast, payload)))
+                self._timed(stats, "wire_s", self._in_daemon_thread(self._broadcast, payload)))
             for what, r in ((f"bucket {i} request", await self._answers(http, wire)),
-                            (f"bucket {i} broadcast", wire.exception())):
-                if r is not None:
+                            (f"bucket {i} broadcast", wire.done() and wire.exception())):
+                if r:  # None, False (a refused bucket's broadcast still pending) or the error
                     stats.fail(what, r)
             if not stats.failures:
                 stats.bytes += sum(t.numel() * t.element_size() for t in payload)
@@ -350,19 +361,30 @@ class WeightSyncer:
                 payload = await nxt
 
     async def _answers(self, http: asyncio.Future, wire: asyncio.Future) -> BaseException | None:
-        """The bucket request's error, if any, once the broadcast is over. A broadcast that
-        failed (a receiver died: gloo raises at once) may leave the other servers of the
-        group without the bucket, in their receive: this side of the group is closed, which
-        fails that receive, and their answers are waited for ``answer_grace_s`` at most; the
-        request is then cancelled and the error names the servers the client found dead (a
-        refused connection marks a server unhealthy)."""
+        """The bucket request's error, if any, once the broadcast is over or cannot be.
+
+        A server that refused the bucket before its receive (the engines' update routes
+        answer at the first server's refusal: ``fail_fast``) never takes part in the
+        broadcast, which would wait for it to its bound: the group is aborted (NCCL's
+        pending broadcast ends; a gloo send runs on, on its daemon thread, to
+        ``bucket_timeout_s``) and the push fails at once. A broadcast that failed (a
+        receiver died: gloo raises at once, NCCL at its bound) may leave the other servers
+        of the group without the bucket, in their receive: this side of the group is
+        closed, which fails that receive, and their answers are waited for
+        ``answer_grace_s`` at most; the request is then cancelled and the error names the
+        servers the client found dead (a refused connection marks a server unhealthy)."""
+        await asyncio.wait({http, wire}, return_when=asyncio.FIRST_COMPLETED)
+        if not wire.done() and http.exception() is not None:
+            wire.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it
+            self._close_local_group(abort=True)
+            return http.exception()
         await asyncio.wait({wire})
         if wire.exception() is not None:
             # The group is unusable now (it is re-formed before the next push). Closing
             # this side ends the survivors' receive at once; otherwise their engines sat in
             # it until the group's timeout (SGLang's join carries none: 600 s), serving
             # nothing, while this trainer went on.
-            self._close_local_group()
+            self._close_local_group(abort=True)
             await asyncio.wait({http}, timeout=self.answer_grace_s)
             if not http.done():
                 http.cancel()
@@ -413,7 +435,8 @@ class WeightSyncer:
         return payload
 
     def _broadcast(self, payload: list[torch.Tensor]) -> None:
-        self._group.send_bucket(payload)
+        bound = self.cfg.bucket_timeout_s or self.cfg.timeout_s / 2
+        self._group.send_bucket(payload, bound)
 
     async def _push_disk(self, version: int, stats: SyncStats) -> None:
         from areal_mcore.convert.save_hf import save_hf

@@ -5,6 +5,8 @@ NCCL weight-transfer engine, joined through vLLM's trainer helper)."""
 
 from __future__ import annotations
 
+from torch.distributed import distributed_c10d as c10d
+
 from areal_mcore import collectives
 from areal_mcore.weight_sync.group import destroy_update_group, init_update_group
 
@@ -15,13 +17,26 @@ class TorchGroup:
         self.pg = init_update_group(master_address=master_address, master_port=master_port,
                                     world_size=world_size, group_name=group_name,
                                     backend=backend, timeout_s=timeout_s)
+        self.backend = backend
 
-    def send_bucket(self, tensors) -> None:
+    def send_bucket(self, tensors, timeout_s: float) -> None:
         # src 0 is the trainer: the group maps its ranks to themselves (group.py)
-        collectives.broadcast_many(tensors, 0, self.pg)
+        collectives.broadcast_many(tensors, 0, self.pg, timeout_s=timeout_s)
 
     def close(self) -> None:
-        destroy_update_group(self.pg)
+        if self.pg is not None:
+            destroy_update_group(self.pg)
+            self.pg = None
+
+    def abort(self) -> None:
+        """Ends the group with a broadcast that cannot complete. NCCL: the communicator is
+        aborted, which ends the pending broadcast at once (``_abort_process_group``; NCCL's
+        destroy would wait for it). Gloo: neither abort nor destroy ends a pending send
+        (measured: it runs to its ``timeout_s``), so the group is only destroyed."""
+        if self.pg is not None and self.backend == "nccl":
+            c10d._abort_process_group(self.pg)
+            self.pg = None
+        self.close()
 
 
 class VLLMNcclGroup:
@@ -40,11 +55,15 @@ class VLLMNcclGroup:
         self.comm = trainer_init({"master_address": master_address, "master_port": master_port,
                                   "world_size": world_size})
 
-    def send_bucket(self, tensors) -> None:
-        collectives.broadcast_pynccl(tensors, 0, self.comm)
+    def send_bucket(self, tensors, timeout_s: float) -> None:
+        collectives.broadcast_pynccl(tensors, 0, self.comm, timeout_s=timeout_s)
 
     def close(self) -> None:
+        # vLLM 0.32's destroy is ncclCommAbort (on a thread it joins for 5 s at most):
+        # it also ends a pending broadcast.
         self.comm.destroy()
+
+    abort = close
 
 
 KINDS = {"torch": TorchGroup, "vllm_nccl": VLLMNcclGroup}

@@ -118,11 +118,12 @@ class SGLangEngine(Engine):
                             weight_version: str | None) -> None:
         """``load_format="flattened_bucket"``: one broadcast of the tensors back to back.
         The new version rides on the last bucket, so a server that did not get everything
-        still reports the old one."""
+        still reports the old one. ``fail_fast``: a refusal means the broadcast cannot
+        complete, and the other servers answer only after it (syncer ``_answers``)."""
         await fleet.all("POST", "/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group.group_name,
             "flush_cache": False, "weight_version": weight_version,
-            "load_format": "flattened_bucket" if flatten else None})
+            "load_format": "flattened_bucket" if flatten else None}, fail_fast=True)
 
     async def finish_update(self, fleet: RolloutClient, pause_mode: str, version: str) -> None:
         # SGLang refuses /flush_cache while requests keep their cache (pause mode in_place).

@@ -270,7 +270,7 @@ class VLLMEngine(Engine):
         info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
         if group.backend == "gloo":
             info |= {"stage": group.stage, "packed": flatten}
-        await fleet.all("POST", "/update_weights", {"update_info": info})
+        await fleet.all("POST", "/update_weights", {"update_info": info}, fail_fast=True)
 
     async def finish_update(self, fleet: RolloutClient, pause_mode: str, version: str) -> None:
         await fleet.all("POST", "/finish_weight_update", {})
