@@ -60,3 +60,19 @@ def set_nccl_env(env: MutableMapping[str, str]) -> None:
     """Fills ``NCCL_ENV`` into ``env`` (``os.environ``, or a child's) where it is unset."""
     for key, value in NCCL_ENV.items():
         env.setdefault(key, value)
+
+
+def healthy(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``http://address/health`` answers 200, asked directly: ``urlopen`` goes
+    through ``http_proxy`` from the environment (clusters set one on compute nodes, and
+    then a server on the next node is never seen healthy), while the trainer's aiohttp
+    ignores proxies by default (``trust_env=False``)."""
+    import urllib.error
+    import urllib.request
+
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with direct.open(f"http://{address}/health", timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False

@@ -32,6 +32,10 @@ def test_parse_and_place_the_boba_layouts():
      "(12 / 8 = 1.50 nodes)"),
     # tensor parallelism wider than a node
     ("sglang:d1t16+megatron:d8", 3, 8, "tensor parallel size t16 exceeds the 8 GPUs of a node"),
+    # servers that do not tile a node: the launcher's servers-per-node would run out of nodes
+    ("sglang:d8t3+megatron:d8", 4, 8, "sglang:d8t3: servers of t3 GPUs do not tile a node of 8 GPUs "
+                                      "(8 % 3 = 2): 2 server(s) per node on 3 nodes hold 6 of the 8 servers"),
+    ("sglang:d4t6+megatron:d8", 4, 8, "servers of t6 GPUs do not tile a node of 8 GPUs"),
 ])
 def test_allocations_that_do_not_fit_say_why_with_numbers(text, nodes, gpn, message):
     with pytest.raises(AllocationError) as e:
@@ -47,6 +51,8 @@ def test_allocations_that_do_not_fit_say_why_with_numbers(text, nodes, gpn, mess
     ("sglang:d4d2+megatron:d2", "gives 'd' twice"),
     ("sglang:d0+megatron:d2", "sizes are >= 1"),
     ("sglang:d2c2+megatron:d2", "context parallelism (c) is a trainer dimension"),
+    ("sglang:d1p2t8+megatron:d8", "pipeline-parallel rollout servers (p2) are not supported"),
+    ("sglang:d2p2t4+megatron:d8", "use t and d, e.g. sglang:d4t4"),
     # c > 1 is refused on the trainer (it would silently become data parallelism)
     ("sglang:d8+megatron:d8c2t2", "context parallelism (c2) is not supported yet"),
     ("megatron:d8c2t2", "use tensor parallelism (t) or activation recompute (actor.recompute=true) "

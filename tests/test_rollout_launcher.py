@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
 import pytest
 
 from areal_mcore.rollout.launcher import ServerConfig, launch_servers, server_command
@@ -196,3 +199,29 @@ class _Up:
 
     def stop(self, grace_s=0):
         pass
+
+
+def test_health_probes_go_direct_whatever_http_proxy_the_job_environment_sets(monkeypatch):
+    """Clusters set http_proxy on compute nodes; a probe through it never reaches the
+    server on the next node (here: a proxy address nothing listens on)."""
+    from areal_mcore.net import free_port, healthy
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for var in ("no_proxy", "NO_PROXY"):
+            monkeypatch.delenv(var, raising=False)
+        for var in ("http_proxy", "HTTP_PROXY"):
+            monkeypatch.setenv(var, f"http://127.0.0.1:{free_port()}")
+        assert healthy(f"127.0.0.1:{server.server_port}")
+        assert not healthy(f"127.0.0.1:{free_port()}")
+    finally:
+        server.shutdown()

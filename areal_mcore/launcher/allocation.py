@@ -74,6 +74,13 @@ class Allocation:
                 raise AllocationError(
                     f"{side}: {side.formula()}, which is neither whole {gpus_per_node}-GPU nodes nor "
                     f"at most one node ({side.gpus} / {gpus_per_node} = {side.gpus / gpus_per_node:.2f} nodes)")
+            if side is self.rollout and side.gpus > gpus_per_node and gpus_per_node % side.t:
+                per_node = gpus_per_node // side.t
+                raise AllocationError(
+                    f"{side}: servers of t{side.t} GPUs do not tile a node of {gpus_per_node} GPUs "
+                    f"({gpus_per_node} % {side.t} = {gpus_per_node % side.t}): {per_node} server(s) per "
+                    f"node on {side.gpus // gpus_per_node} nodes hold {per_node * (side.gpus // gpus_per_node)} "
+                    f"of the {side.d} servers")
             need.append(max(1, side.gpus // gpus_per_node))
         if sum(need) != nodes:
             r, t = self.rollout, self.trainer
@@ -104,6 +111,14 @@ def parse_allocation(text: str) -> Allocation:
         raise AllocationError(f"allocation {text!r}: trainer {trainer.backend!r} is not one of {list(TRAINERS)}")
     if rollout.c > 1:
         raise AllocationError(f"allocation {text!r}: context parallelism (c) is a trainer dimension")
+    if rollout.p > 1:
+        # The launcher starts each server with server.tp_size only, on one node: a p2t4
+        # server would hold 8 GPUs and use 4, and a server wider than a node needs SGLang's
+        # --nnodes/--dist-init-addr, which nothing here passes.
+        raise AllocationError(f"allocation {text!r}: pipeline-parallel rollout servers (p{rollout.p}) "
+                              f"are not supported (each server is launched with tensor parallelism "
+                              f"only, inside one node); use t and d, e.g. "
+                              f"{Side(rollout.backend, d=rollout.d * rollout.p, t=rollout.t)}")
     _refuse_cp(trainer, text)
     return Allocation(rollout, trainer)
 

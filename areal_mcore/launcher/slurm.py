@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from areal_mcore.launcher.allocation import parse_allocation
-from areal_mcore.net import free_port, set_nccl_env
+from areal_mcore.net import free_port, healthy, set_nccl_env
 from areal_mcore.run_dir import RunDir, Status
 
 
@@ -124,7 +124,7 @@ class Launcher:
         addresses = []
         for i in range(r.d):
             path = rendezvous / f"server_{i}.json"
-            while not path.exists() or not _healthy(json.loads(path.read_text())["address"]):
+            while not path.exists() or not healthy(json.loads(path.read_text())["address"]):
                 self._check_steps()
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rollout server {i} not healthy after "
@@ -249,17 +249,6 @@ class Launcher:
     def _checkpoint(self) -> str | None:
         path = self.files.latest_checkpoint()
         return str(path) if path else None
-
-
-def _healthy(address: str) -> bool:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://{address}/health", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
 
 
 def serve(config: str, overrides: list[str], index: int, host: str, rendezvous: Path) -> None:

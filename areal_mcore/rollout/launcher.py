@@ -12,12 +12,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 
 from areal_mcore.checks import check_choice, check_positive, field_error
-from areal_mcore.net import free_port, set_nccl_env
+from areal_mcore.net import free_port, healthy, set_nccl_env
 from areal_mcore.rollout.engines import BACKENDS, engine_for
 
 TRANSFER_BACKENDS = ("auto", "areal_gloo", "nccl")
@@ -129,12 +127,8 @@ class ServerProcess:
                 raise RuntimeError(f"rollout server exited with code {self.proc.returncode} before "
                                    f"it was healthy ({' '.join(self.cmd[:4])} ...); last log lines "
                                    f"of {self.log_path}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://{self.address}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            if healthy(self.address):
+                return
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"rollout server {self.address} not healthy after {timeout_s:.0f} s; "
