@@ -76,3 +76,38 @@ def healthy(address: str, timeout_s: float = 2.0) -> bool:
             return r.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
+
+
+def interface_toward(address: str) -> str | None:
+    """The name of this host's network interface on the route to ``address`` (IPv4 or a
+    host name), or None where Linux's SIOCGIFADDR cannot say."""
+    import fcntl
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, 1))  # picks the route; sends nothing
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR: the interface's IPv4 address (bytes 20-24 of struct ifreq)
+                ifreq = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+        if socket.inet_ntoa(ifreq[20:24]) == local:
+            return name
+    return None
+
+
+def set_gloo_interface(env: MutableMapping[str, str], master_address: str) -> None:
+    """Points gloo at the interface that reaches the trainer's master node, unless the
+    site set ``GLOO_SOCKET_IFNAME``. Without it gloo binds the address its host name
+    resolves to, which is 127.0.1.1 on Debian-style /etc/hosts (pytorch#68726): megatron's
+    gloo groups (``create_gloo_process_groups``, on by default; its distributed optimizer's
+    checkpoint gathers use them) and our control group across trainer nodes never connect."""
+    if "GLOO_SOCKET_IFNAME" not in env:
+        name = interface_toward(master_address)
+        if name:
+            env["GLOO_SOCKET_IFNAME"] = name

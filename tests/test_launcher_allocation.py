@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from areal_mcore.launcher.allocation import AllocationError, Side, parse_allocation
@@ -133,3 +135,37 @@ def test_the_allocations_rollout_backends_are_the_engines_the_client_knows():
 
     assert sorted(ROLLOUT_BACKENDS) == sorted(BACKENDS)
     assert parse_allocation("vllm:d2t2+megatron:d4").rollout.backend == "vllm"
+
+
+def test_trainer_nodes_take_their_rank_from_the_node_list_and_the_masters_port(tmp_path):
+    """Node rank = place in the trainer's node list, whose first node is the master address
+    (Slurm's task numbering follows slurm.conf's node order, not this list's); the port is
+    the one the master node picked."""
+    import threading
+
+    from areal_mcore.launcher.slurm import trainer_node
+
+    port_file, nodes, out = tmp_path / "trainer_master.json", ["gpu-b07", "gpu-a01"], {}
+    other = threading.Thread(target=lambda: out.update(b=trainer_node(nodes, "gpu-a01", port_file, timeout_s=20)))
+    other.start()  # waits for the master's port
+    rank, port = trainer_node(nodes, "gpu-b07", port_file)
+    other.join()
+    assert rank == 0 and out["b"] == (1, port) and 1024 < port < 65536
+    with pytest.raises(RuntimeError, match="'gpu-c01' .* is not one of the trainer nodes"):
+        trainer_node(nodes, "gpu-c01", port_file)
+
+
+def test_a_trainer_node_execs_torchrun_with_its_rank_and_gloos_interface(tmp_path, monkeypatch):
+    from areal_mcore.launcher import slurm
+
+    ran = []
+    monkeypatch.setattr(slurm.os, "execv", lambda path, cmd: ran.append(cmd))
+    env = {"SLURMD_NODENAME": "node1"}  # the task's environment, without GLOO_SOCKET_IFNAME
+    monkeypatch.setattr(slurm.os, "environ", env)
+    slurm.main(["torchrun", "--nodes", "node1", "--master-addr", "127.0.0.1", "--port-file",
+                str(tmp_path / "p.json"), "--", "--nnodes=1", "-m", "areal_mcore.cli", "sft"])
+    port = json.loads((tmp_path / "p.json").read_text())["port"]
+    assert ran[0][1:] == ["-m", "torch.distributed.run", "--node-rank=0", "--master-addr=127.0.0.1",
+                          f"--master-port={port}", "--nnodes=1", "-m", "areal_mcore.cli", "sft"]
+    # gloo (megatron's gloo groups, the control group) binds the interface to the master
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"

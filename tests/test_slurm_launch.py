@@ -171,6 +171,38 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(assets, tmp_path):
     wait(job, 120)
 
 
+def test_a_trainer_still_running_near_the_time_limit_is_stopped_and_the_job_requeued(assets, tmp_path):
+    """A step longer than the warning (a boba step can take longer than 5 minutes) left
+    the trainer running into the time limit: Slurm ended the job as TIMEOUT, which
+    --requeue does not cover, and the run stopped for good. The launcher reads the job's
+    EndTime and, requeue_margin_s before it, stops the trainer and requeues the job itself.
+    Here the stop request and the margin coincide (80 s before a 2-minute limit), as with
+    a step that cannot end in time; USR2 would come only 1 s before the limit."""
+    overrides = [*_overrides(assets, tmp_path, "margin", 100_000), "launch.stop_lead_s=80",
+                 "launch.requeue_margin_s=80"]
+    submitted = time.monotonic()
+    job = _sbatch(overrides, tmp_path, "--time=2", "--signal=B:USR2@1")
+    run_dir, out = tmp_path / "margin", tmp_path / f"slurm-{job}.out"
+    log = run_dir / "slurm" / f"job{job}_try1" / "trainer.log"
+    deadline, requeued = submitted + 300, None
+    try:
+        while not (log.exists() and "resumed from" in log.read_text()):
+            if requeued is None and "requeueing job" in (out.read_text() if out.exists() else ""):
+                requeued = time.monotonic() - submitted
+            assert time.monotonic() < deadline and state(job) not in TERMINAL, \
+                (state(job), out.read_text()[-3000:] if out.exists() else "")
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    text = out.read_text()
+    # Requeued by the launcher ~80 s before the limit, not by the USR2 at 1 s (the old
+    # launcher's only trigger: 119+ s), and not ended by Slurm at 120 s.
+    assert requeued is not None and requeued < 90, (requeued, text[-3000:])
+    assert "before the time limit: stopping it; the next try resumes from" in text, text[-3000:]
+    assert "SIGUSR2" not in text and _status(run_dir)["restarts"] == 1
+    wait(job, 120)
+
+
 def test_a_job_past_its_restart_budget_fails_with_the_reason(assets, tmp_path):
     """Node failures and preemptions requeue the job (Slurm does, with --requeue); the
     launcher refuses to start a try past launch.max_restarts instead of looping forever."""
@@ -232,6 +264,10 @@ def test_submitit_launch_completes_and_returns_the_final_stats(assets, tmp_path)
     assert result["status"]["state"] == "COMPLETED"
     assert result["last_step"]["step"] == 3 and result["last_step"]["sync/server_versions"] == ["3"]
     assert wait(job.job_id, 60) == "COMPLETED"
+    # Whole nodes with all their memory, as the sbatch headers ask (submitit writes only
+    # the options it is given).
+    script = (tmp_path / "submitit" / f"{job.job_id}_submission.sh").read_text()
+    assert "#SBATCH --exclusive" in script and "#SBATCH --mem=0" in script, script
 
 
 def test_sbatch_scripts_pass_bash_n_and_shellcheck():
@@ -256,3 +292,46 @@ def test_srun_steps_run_with_their_gpus_share_of_cpus_and_memory(assets, tmp_pat
     for step in ("rollout0", "trainer"):
         line = next(x for x in log.splitlines() if x.startswith(f"[launcher] step {step}: srun "))
         assert " --exact --cpus-per-task=2 --mem=4000M" in line, line
+
+
+def test_the_headers_gpus_per_node_does_not_give_one_server_step_the_whole_node(assets, tmp_path):
+    """boba_*.sh asks ``#SBATCH --gpus-per-node=8``; sbatch exports SLURM_GPUS_PER_NODE,
+    which every srun step reads as its own --gpus-per-node (srun's input environment), so
+    the first server's step took every GPU of its node and the next waited ("Requested
+    nodes are busy") until the startup timeout. Here: 2 fake GPUs per node, two t1 servers
+    on node1, the trainer on node2, GPU flags on (as with SGLang)."""
+    env = {**os.environ, "CONFIG": "configs/tiny_cpu.yaml", "ALLOC": "embedded:d2+megatron:d1",
+           "GPUS_PER_NODE": "2", "PY": sys.executable}
+    overrides = [*_overrides(assets, tmp_path, "gpus", 1), "launch.gpus=true",
+                 "launch.server_startup_timeout_s=90"]
+    job = run("sbatch", "--parsable", "-N", "2", "--gpus-per-node=2", "--time=10",
+              f"--output={tmp_path}/slurm-%j.out", "launch/slurm/boba_1.5b.sh", *overrides,
+              cwd=REPO, env=env).strip().split(";")[0]
+    ended = wait(job, 300)
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert ended == "COMPLETED", log[-3000:]
+    st = steps(job)
+    assert st["rollout0"][1] == st["rollout1"][1] == "node1" and st["trainer"][1] == "node2", st
+    for step in ("rollout0", "rollout1", "trainer"):  # one GPU each (this cluster's accounting counts no gres)
+        line = next(x for x in log.splitlines() if x.startswith(f"[launcher] step {step}: srun "))
+        assert " --gpus-per-node=1 " in line, line
+
+
+def test_a_two_node_trainer_starts_with_each_nodes_rank_and_the_masters_port(assets, tmp_path):
+    """SFT (the 32B recipe's trainer-only stage) on megatron:d2 across node1 and node2: one
+    torchrun per node, node ranks from the trainer's node list, the master port picked on
+    the master node, a data-parallel pair across the two nodes."""
+    env = {**os.environ, "CONFIG": "configs/tiny_cpu.yaml", "ALLOC": "megatron:d2", "GPUS_PER_NODE": "1",
+           "PY": sys.executable}
+    out_dir = tmp_path / "sft_model"
+    overrides = ["experiment_name=sft2", f"trainer.log_dir={tmp_path}", f"dataset.path={assets['train']}",
+                 f"sft.base_model={assets['model']}", f"sft.output_dir={out_dir}", "sft.steps=2",
+                 "sft.batch_size=4"]
+    job = run("sbatch", "--parsable", "-N", "2", "--gpus-per-node=0", "--time=10",
+              f"--output={tmp_path}/slurm-%j.out", "launch/slurm/boba_32b.sh", *overrides,
+              cwd=REPO, env=env).strip().split(";")[0]
+    assert wait(job, 300) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
+    assert steps(job)["trainer"] == ("COMPLETED", "node[1-2]"), steps(job)
+    master = json.loads((tmp_path / "sft2" / "slurm" / "rendezvous" / "trainer_master.json").read_text())
+    assert master["node"] == "node1"
+    assert (out_dir / "config.json").is_file()

@@ -22,6 +22,14 @@ class LaunchConfig:
     gpus: bool | None = None  # ask srun for GPUs; None: when the rollout backend is sglang
     max_restarts: int = 3  # requeues (time limit, preemption, node failure) before giving up
     server_startup_timeout_s: float = 1800.0
+    # The time limit (sbatch sets no --signal the launcher can read, so it reads the job's
+    # EndTime): the trainer is asked to checkpoint and stop this long before it, or longer
+    # when the slowest recent step (whose time includes a checkpoint save) needs more
+    # (1.5x, plus requeue_margin_s); requeue_margin_s before it, a trainer still running
+    # is stopped and the job requeued, resuming from the last checkpoint, so that the
+    # job never ends as TIMEOUT, which --requeue does not cover. > Slurm's KillWait (30 s).
+    stop_lead_s: float = 300.0
+    requeue_margin_s: float = 60.0
     # Exported to every step. For GPU-Direct RDMA over InfiniBand/RoCE admins set e.g.
     # NCCL_IB_HCA=mlx5_0,mlx5_1 NCCL_NET_GDR_LEVEL=PHB NCCL_SOCKET_IFNAME=ib0 (or the RoCE
     # netdev) and NCCL_IB_GID_INDEX=3 for RoCE v2. The weight-update group's own settings
@@ -52,6 +60,11 @@ class LaunchConfig:
                                   "'<rollout>:<dims>+megatron:<dims>', sft a trainer-only 'megatron:<dims>'")
         check_positive("gpus_per_node", self.gpus_per_node)
         check_positive("max_restarts", self.max_restarts, allow_zero=True)
+        check_positive("requeue_margin_s", self.requeue_margin_s)
+        if self.stop_lead_s < self.requeue_margin_s:
+            raise field_error("stop_lead_s", self.stop_lead_s,
+                              f"must be >= requeue_margin_s ({self.requeue_margin_s:g}): the trainer is "
+                              "asked to stop before the launcher stops it")
         if self.cpus_per_gpu is not None and self.cpus_per_gpu < 1:
             raise field_error("cpus_per_gpu", self.cpus_per_gpu, "must be >= 1 (or null: an even split)")
         if self.mem_per_gpu_mb is not None and self.mem_per_gpu_mb < 0:

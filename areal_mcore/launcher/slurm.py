@@ -7,9 +7,13 @@ per rollout server (each picks a free port on its node and publishes ``host:port
 ``srun`` step of torchrun across the trainer nodes, pointed at the servers.
 
 Any step ending early ends the job with a non-zero code and a line naming the step.
-Time limit: SIGUSR2 (``--signal=B:USR2@300``) makes this process touch ``<run>/STOP``; the
-trainer checkpoints at the end of its step and exits, and the job requeues itself
-(``scontrol requeue``) when the run is not finished. A requeued (or node-failure
+Time limit: ``launch.stop_lead_s`` before the job's EndTime (or longer, when the slowest
+recent step needs it), or on SIGUSR2 (``--signal=B:USR2@300``), this process touches
+``<run>/STOP``; the trainer checkpoints at the end of its step and exits, and the job
+requeues itself (``scontrol requeue``) when the run is not finished. A trainer still
+running ``launch.requeue_margin_s`` before the limit is stopped and the job requeued all
+the same (from the last checkpoint): a job Slurm ends at its limit is TIMEOUT, which
+``--requeue`` does not cover. A requeued (or node-failure
 resubmitted) job resumes from the latest checkpoint; ``launch.max_restarts`` bounds how
 often. ``<run>/slurm/status.json`` says where the run is.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import signal
@@ -27,7 +32,7 @@ import time
 from pathlib import Path
 
 from areal_mcore.launcher.allocation import parse_allocation
-from areal_mcore.net import free_port, healthy, set_nccl_env
+from areal_mcore.net import free_port, healthy, set_gloo_interface, set_nccl_env
 from areal_mcore.run_dir import RunDir, Status
 
 
@@ -36,14 +41,28 @@ class SlurmJob:
     job_id: str
     nodes: list[str]  # host names, in allocation order
     restarts: int
+    end_time: float | None = None  # this try's time limit (epoch seconds); None: unlimited
 
     @classmethod
     def from_env(cls) -> SlurmJob:
         if "SLURM_JOB_ID" not in os.environ:
             raise RuntimeError("not inside a Slurm allocation (no SLURM_JOB_ID): submit with sbatch "
                                "launch/slurm/<recipe>.sh or areal-mcore launch")
+        job_id = os.environ["SLURM_JOB_ID"]
         nodes = _scontrol("show", "hostnames", os.environ["SLURM_JOB_NODELIST"]).split()
-        return cls(os.environ["SLURM_JOB_ID"], nodes, int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+        return cls(job_id, nodes, int(os.environ.get("SLURM_RESTART_COUNT", "0")), job_end_time(job_id))
+
+
+def job_end_time(job_id: str) -> float | None:
+    """The running job's EndTime (its start + time limit), as scontrol prints it in this
+    machine's local time; None for an unlimited job."""
+    fields = dict(kv.split("=", 1) for kv in _scontrol("show", "job", "-o", job_id).split() if "=" in kv)
+    if fields.get("TimeLimit") == "UNLIMITED":
+        return None
+    try:
+        return datetime.datetime.fromisoformat(fields["EndTime"]).timestamp()
+    except (KeyError, ValueError):  # "Unknown"
+        return None
 
 
 def _scontrol(*args: str) -> str:
@@ -54,6 +73,21 @@ def node_address(node: str) -> str:
     """The node's NodeAddr (what other nodes connect to)."""
     fields = dict(kv.split("=", 1) for kv in _scontrol("show", "node", "-o", node).split() if "=" in kv)
     return fields.get("NodeAddr", node)
+
+
+# The job's GPU request as sbatch exports it, which every srun step reads back as its own
+# (srun's input environment variables, src/srun/opt.c): with #SBATCH --gpus-per-node=8 a
+# one-server step asked for all 8 GPUs of its node and the next server's step waited.
+# --gpus-per-task does not cancel it (only --gpus does, and only from Slurm 24.11), and
+# --cpus-per-gpu / --mem-per-gpu would clash with the steps' --cpus-per-task / --mem.
+JOB_GPU_REQUEST = ("SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_GPUS_PER_SOCKET",
+                   "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_GPU", "SLURM_TRES_PER_TASK")
+
+
+def step_environment() -> dict[str, str]:
+    """This process's environment without the job's GPU request: a step gets the GPUs its
+    own flags ask for, and none without them."""
+    return {k: v for k, v in os.environ.items() if k not in JOB_GPU_REQUEST}
 
 
 class Launcher:
@@ -74,7 +108,7 @@ class Launcher:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.status = Status(self.files, job_id=self.job.job_id)
         self.steps: dict[str, subprocess.Popen] = {}
-        self.terminating, self.requeue_self = False, requeue_self
+        self.terminating, self.requeue_self, self.stop_asked = False, requeue_self, False
         os.environ.update({k: str(v) for k, v in cfg.launch.env.items()})  # srun steps inherit it
         set_nccl_env(os.environ)  # and the weight-update group's NCCL settings, unless set
         gpus = cfg.launch.gpus
@@ -115,11 +149,11 @@ class Launcher:
         for i in range(r.d):
             node = nodes[i // per_node]
             srun = self._srun(f"rollout{i}", [node], ntasks_per_node=1,
-                              gpus_per_task=r.t * r.p if self.gpus else 0, share=r.t * r.p)
+                              gpus_per_node=r.t if self.gpus else 0, share=r.t)
             cmd = [*srun, sys.executable, "-m", "areal_mcore.launcher.slurm", "serve", "--config", self.config,
                    "--index", str(i), "--host", node_address(node), "--rendezvous", str(rendezvous),
                    *self.overrides, f"server.tp_size={r.t}"]
-            self.steps[f"rollout server {i} on {node}"] = subprocess.Popen(cmd)
+            self.steps[f"rollout server {i} on {node}"] = subprocess.Popen(cmd, env=step_environment())
         deadline = time.monotonic() + self.cfg.launch.server_startup_timeout_s
         addresses = []
         for i in range(r.d):
@@ -137,32 +171,33 @@ class Launcher:
     def _start_trainer(self, nodes: list[str], addresses: list[str]) -> None:
         t, gpn = self.alloc.trainer, self.cfg.launch.gpus_per_node
         per_node = min(t.gpus, gpn)
-        master = node_address(nodes[0])
         srun = self._srun("trainer", nodes, ntasks_per_node=1, gpus_per_node=per_node if self.gpus else 0,
                           share=per_node)
-        # Static rendezvous: node rank = the srun task's rank (one task per node). torchrun's
-        # c10d rendezvous fails at exit when the node hosting its store leaves first.
-        torchrun = ["bash", "-c", 'exec "$0" -m torch.distributed.run --node-rank="$SLURM_PROCID" "$@"',
-                    sys.executable, f"--nnodes={len(nodes)}", f"--nproc-per-node={per_node}",
-                    f"--master-addr={master}", f"--master-port={free_port()}"]
+        # Node ranks and the master port come from the trainer's own nodes (trainer_node).
+        port_file = self.slurm_dir / "rendezvous" / "trainer_master.json"
+        port_file.parent.mkdir(exist_ok=True)
+        port_file.unlink(missing_ok=True)  # a previous try's
+        torchrun = [sys.executable, "-m", "areal_mcore.launcher.slurm", "torchrun",
+                    "--nodes", ",".join(nodes), "--master-addr", node_address(nodes[0]),
+                    "--port-file", str(port_file), "--",
+                    f"--nnodes={len(nodes)}", f"--nproc-per-node={per_node}"]
         train = ["-m", "areal_mcore.cli", "train" if addresses else "sft", "--config", self.config,
                  *self.overrides, f"actor.parallel.tp={t.t}", f"actor.parallel.pp={t.p}"]
         if addresses:
             train.append("server.addresses=[" + ",".join(f'"{a}"' for a in addresses) + "]")
-        self.steps["trainer"] = subprocess.Popen([*srun, *torchrun, *train])
+        self.steps["trainer"] = subprocess.Popen([*srun, *torchrun, *train], env=step_environment())
         self.status.update(state="RUNNING")
 
-    def _srun(self, name: str, nodes: list[str], *, ntasks_per_node: int, share: int, gpus_per_task: int = 0,
+    def _srun(self, name: str, nodes: list[str], *, ntasks_per_node: int, share: int,
               gpus_per_node: int = 0) -> list[str]:
         """An srun step of ``ntasks_per_node`` tasks per node, each using ``share`` of the
-        node's GPUs (or processes): it gets that share of the node's CPUs and memory."""
+        node's GPUs (or processes): it gets that share of the node's CPUs and memory, and
+        exactly ``gpus_per_node`` GPUs per node (run it with ``step_environment()``)."""
         # --ntasks too: srun would otherwise take the job's SLURM_NTASKS from the environment.
         cmd = ["srun", f"--job-name={name}", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}",
                f"--ntasks={len(nodes) * ntasks_per_node}", f"--ntasks-per-node={ntasks_per_node}",
                f"--output={self.logs / name}.log",
                "--kill-on-bad-exit=1"]
-        if gpus_per_task:
-            cmd.append(f"--gpus-per-task={gpus_per_task}")
         if gpus_per_node:
             cmd.append(f"--gpus-per-node={gpus_per_node}")
         cmd += self.cfg.launch.step_resources(share, os.environ)
@@ -174,6 +209,10 @@ class Launcher:
         while trainer.poll() is None:
             self._check_steps()
             self.status.update(step=self._step(), last_checkpoint=self._checkpoint())
+            if self._time_limit_reached():
+                print(f"[launcher] the trainer is still running {self._time_left():.0f} s before the "
+                      f"time limit: stopping it; the next try resumes from {self._checkpoint()}", flush=True)
+                return self._requeue()
             time.sleep(1.0)
         self.status.update(step=self._step(), last_checkpoint=self._checkpoint())
         if trainer.returncode != 0:
@@ -181,20 +220,50 @@ class Launcher:
         if self.terminating:
             self.status.update(state="TERMINATED")
             return 143
-        # PPO stops early (with a checkpoint) only when asked to; SFT runs to its end.
-        step, total = self.files.checkpoint_step(), self.cfg.trainer.total_steps if self.cfg.trainer else 0
+        # PPO stops early (with a checkpoint) only when asked to; SFT runs to its end (and
+        # logs no PPO steps: a config with a trainer section, as tiny_cpu.yaml, requeued).
+        ppo = self.alloc.rollout is not None
+        step, total = self.files.checkpoint_step(), self.cfg.trainer.total_steps if ppo else 0
         if self._step() < total and not self.requeue_self:
             self.status.update(state="STOPPED")  # <run>/STOP by hand; submitting again goes on
             return 0
-        if self._step() < total:  # stopped early on the time-limit signal: go on in a new try
-            self._stop_all()
-            self.status.update(state="REQUEUED", restarts=self.job.restarts + 1)
-            print(f"[launcher] step {self._step()}/{total}, checkpoint at step {step}: requeueing "
-                  f"job {self.job.job_id}", flush=True)
-            subprocess.run(["scontrol", "requeue", self.job.job_id], check=True)
-            return 0
+        if self._step() < total:  # stopped early for the time limit: go on in a new try
+            print(f"[launcher] step {self._step()}/{total}, checkpoint at step {step}", flush=True)
+            return self._requeue()
         self.status.update(state="COMPLETED")
         return 0
+
+    def _requeue(self) -> int:
+        self._stop_all()
+        self.status.update(state="REQUEUED", restarts=self.job.restarts + 1, step=self._step(),
+                           last_checkpoint=self._checkpoint())
+        print(f"[launcher] requeueing job {self.job.job_id}", flush=True)
+        subprocess.run(["scontrol", "requeue", self.job.job_id], check=True)
+        return 0
+
+    def _time_left(self) -> float:
+        return self.job.end_time - time.time() if self.job.end_time else float("inf")
+
+    def _time_limit_reached(self) -> bool:
+        """Asks the trainer to stop ``_stop_lead_s()`` before the time limit; True once the
+        trainer must be stopped for the job to requeue before Slurm ends it as TIMEOUT
+        (sbatch jobs only: under submitit, submitit owns the time limit)."""
+        left, launch = self._time_left(), self.cfg.launch
+        if not self.requeue_self or left == float("inf"):
+            return False
+        if left < self._stop_lead_s() and not self.stop_asked:
+            self.stop_asked = True
+            print(f"[launcher] time limit in {left:.0f} s: asking the trainer to checkpoint and stop",
+                  flush=True)
+            self.files.request_stop()
+        return left < launch.requeue_margin_s
+
+    def _stop_lead_s(self) -> float:
+        """``launch.stop_lead_s``, or more when the slowest of the last steps (its time
+        includes the previous step's checkpoint save) would not fit in it."""
+        slowest = max((r.get("time/step_s", 0.0) for r in self.files.stats_rows()[-5:]), default=0.0)
+        launch = self.cfg.launch
+        return max(launch.stop_lead_s, 1.5 * slowest + launch.requeue_margin_s)
 
     def _check_steps(self) -> None:
         for name, proc in self.steps.items():
@@ -265,6 +334,32 @@ def serve(config: str, overrides: list[str], index: int, host: str, rendezvous: 
     os.execv(cmd[0], cmd)
 
 
+def trainer_node(nodes: list[str], me: str, port_file: Path, timeout_s: float = 600.0) -> tuple[int, int]:
+    """(node rank, master port) of this trainer node (an srun task of the trainer step).
+
+    The rank is this node's place in ``nodes``, whose first node hosts torchrun's store at
+    ``--master-addr``, not ``SLURM_PROCID``: Slurm numbers a step's tasks in its node-table
+    order (slurm.conf), which need not be name order, and rank 0 then hosted the store on
+    another machine than the master address (each side waited for the other). The port is
+    picked on the master node itself, not on the batch node, and published on the shared
+    run folder as the servers' ports are."""
+    if me not in nodes:
+        raise RuntimeError(f"trainer node {me!r} (SLURMD_NODENAME) is not one of the trainer nodes {nodes}")
+    rank = nodes.index(me)
+    if rank == 0:
+        port = free_port("0.0.0.0")  # torchrun's store listens on every interface
+        tmp = port_file.with_name(f".{port_file.name}")
+        tmp.write_text(json.dumps({"node": me, "port": port}))
+        tmp.replace(port_file)
+        return 0, port
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no master port from {nodes[0]} in {port_file} after {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return rank, json.loads(port_file.read_text())["port"]
+
+
 _EARLY_USR2: list[int] = []
 
 
@@ -286,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a config inside this Slurm allocation")
     serve_p = sub.add_parser("serve", help="(internal) one rollout server step")
+    torchrun = sub.add_parser("torchrun", help="(internal) one trainer node: torchrun with its node rank")
+    torchrun.add_argument("--nodes", required=True)
+    torchrun.add_argument("--master-addr", required=True)
+    torchrun.add_argument("--port-file", type=Path, required=True)
+    torchrun.add_argument("args", nargs=argparse.REMAINDER)
     for q in (run, serve_p):
         q.add_argument("--config", required=True)
         q.add_argument("overrides", nargs="*")
@@ -295,6 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--no-plan-check", action="store_true",
                      help="start even when the memory planner says the config does not fit")
     a = p.parse_args(argv)
+    if a.command == "torchrun":
+        rank, port = trainer_node(a.nodes.split(","), os.environ["SLURMD_NODENAME"], a.port_file)
+        set_gloo_interface(os.environ, a.master_addr)
+        args = a.args[1:] if a.args[:1] == ["--"] else a.args
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--node-rank={rank}",
+               f"--master-addr={a.master_addr}", f"--master-port={port}", *args]
+        os.execv(cmd[0], cmd)
+        return 0  # not reached: execv replaces this process
     if a.command == "serve":
         serve(a.config, a.overrides, a.index, a.host, a.rendezvous)
         return 0

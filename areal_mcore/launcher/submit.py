@@ -101,6 +101,11 @@ def submit(cfg: SubmitConfig):
     executor = submitit.SlurmExecutor(folder=cfg.folder, max_num_timeout=cfg.max_restarts)
     executor.update_parameters(
         job_name=name, nodes=1, ntasks_per_node=1, time=_minutes(cfg.time),
+        # Whole nodes, as the sbatch headers ask: submitit writes only the options it is
+        # given, and a node shared with the site's default CPUs (often 1 per task) leaves
+        # the steps' --cpus-per-task unmet. --exclusive grants every CPU and GPU but only
+        # the memory asked for; --mem=0 is all of it (sbatch(1)).
+        exclusive=True, mem="0",
         use_srun=False,  # the launcher starts its own srun steps from the batch step
         # The node count goes to sbatch directly: submitit would otherwise wait for a result
         # from nodes x ntasks_per_node tasks, and the launcher is one process. USR2 goes

@@ -12,6 +12,7 @@
 #SBATCH --ntasks-per-node=1         # the launcher starts its own srun steps
 #SBATCH --gpus-per-node=8           # whole 8-GPU nodes
 #SBATCH --exclusive                 # no other job on these nodes (NCCL, memory)
+#SBATCH --mem=0                     # all of each node's memory (--exclusive grants CPUs, not memory)
 #SBATCH --time=72:00:00             # a try's limit; the job requeues itself past it
 #SBATCH --requeue                   # allow requeue: time limit, preemption, node failure
 #SBATCH --signal=B:USR2@300         # 5 min before the limit: checkpoint, then requeue
