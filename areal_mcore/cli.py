@@ -227,6 +227,19 @@ def run_plan(a) -> int:
     return 0 if plan.fits else 1
 
 
+def run_verify_checkpoint(a) -> int:
+    from areal_mcore.run_dir import verify_checkpoint
+
+    bad = 0
+    for path in a.checkpoints:
+        if not (Path(path) / "manifest.json").is_file():
+            raise FileNotFoundError(f"{path}: no manifest.json (give a checkpoints/step_* folder)")
+        problems = verify_checkpoint(Path(path))
+        bad += bool(problems)
+        print(f"{path}: " + ("OK" if not problems else "DAMAGED\n  " + "\n  ".join(problems)))
+    return 1 if bad else 0
+
+
 def refuse_unplanned(cfg, command: str) -> bool:
     """Prints the plan and returns True when ``cfg`` cannot fit (before anything starts)."""
     from areal_mcore.plan import refusal
@@ -456,13 +469,17 @@ def main(argv: list[str] | None = None) -> int:
     add_eval_parsers(sub)
     add_launch_parsers(sub)
     add_plan_parsers(sub)
+    verify = sub.add_parser("verify-checkpoint", help="check checkpoint folders against their manifests' hashes",
+                            epilog="example: areal-mcore verify-checkpoint runs/tiny-cpu/checkpoints/step_*")
+    verify.add_argument("checkpoints", nargs="+", help="checkpoints/step_* folders")
     a = parser.parse_args(argv)
     from areal_mcore.accel import quiet_known_warnings
 
     quiet_known_warnings()  # before megatron-core is imported; the actor says it in one line
     try:
         return {"convert": run_convert, "filter": run_filter, "train": run_train,
-                "sft": run_train, "eval": run_eval, "launch": run_launch, "plan": run_plan}[a.command](a)
+                "sft": run_train, "eval": run_eval, "launch": run_launch, "plan": run_plan,
+                "verify-checkpoint": run_verify_checkpoint}[a.command](a)
     except (ValueError, FileNotFoundError) as e:  # user errors; anything else is a bug: traceback
         print(f"areal-mcore {a.command}: error: {e}", file=sys.stderr)
         return 2

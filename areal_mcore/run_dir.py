@@ -14,8 +14,10 @@ neither side keeps its own copy of a file name or format.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -52,6 +54,53 @@ def write_atomic(path: Path, text: str, *, fsync: bool = True) -> None:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- checkpoint files
+
+
+def _hash_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _shared_files(root: Path, rank: int, world: int) -> list[Path]:
+    """``root``'s files but the manifest, sorted; every ``world``-th from ``rank``."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "manifest.json")
+    return files[rank::world]
+
+
+def hash_files(root: Path, rank: int, world: int) -> dict[str, dict]:
+    """Size and SHA-256 of this rank's share of the files (torch.load checks no CRC, and
+    a flipped byte in a tensor file loads silently)."""
+    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _hash_file(p)}
+            for p in _shared_files(root, rank, world)}
+
+
+def verify_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
+    """The problems of checkpoint ``path`` (its manifest, then ``share`` = (rank, world) of
+    its files against the manifest's sizes and hashes), each naming a file; empty if it
+    verifies. A checkpoint saved before hashes were recorded verifies by its manifest."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        return [f"{path / 'manifest.json'}: unreadable ({e})"] if share[0] == 0 else []
+    files = manifest.get("files")
+    if files is None:
+        return []
+    rank, world = share
+    problems = [f"{path / name}: missing" for name in sorted(files)[rank::world] if not (path / name).is_file()]
+    for p in _shared_files(path, rank, world):
+        name = str(p.relative_to(path))
+        want = files.get(name)
+        if want is None:
+            continue  # not part of the checkpoint when it was saved (e.g. a backup copy)
+        if p.stat().st_size != want["size"]:
+            problems.append(f"{p}: {p.stat().st_size} bytes, {want['size']} saved")
+        elif _hash_file(p) != want["sha256"]:
+            problems.append(f"{p}: content differs from the saved SHA-256")
+    return problems
 
 
 class RunDir:
@@ -100,8 +149,7 @@ class RunDir:
 
     # ---- stats rows ------------------------------------------------------------------
     def append_stats(self, row: dict) -> None:
-        with open(self.stats, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(self.stats, row)
 
     def stats_rows(self) -> list[dict]:
         return read_jsonl(self.stats)
@@ -129,8 +177,44 @@ class RunDir:
         return json.loads((self.slurm / "status.json").read_text())
 
 
+def append_jsonl(path: Path, row: dict) -> None:
+    """Appends one whole line or nothing: the line is written, flushed and fsynced, and on
+    an OS error (ENOSPC, EIO, ...) the file is cut back to where it was, so no torn line is
+    left for a later read, and the error names the file (a bare write error names none)."""
+    line = (json.dumps(row) + "\n").encode()
+    with open(path, "ab") as f:
+        start = f.tell()
+        try:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as e:
+            try:
+                f.truncate(start)
+            except OSError:
+                pass  # read_jsonl drops a torn last line
+            raise OSError(e.errno, f"{e.strerror} while appending to {path}", str(path)) from e
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    """The rows of a JSONL file; a torn last line (a write cut short: a full disk, a kill)
+    is dropped with a warning. Any other unreadable line is an error naming file:line."""
+    if not path.is_file():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            if i >= len(lines) - 1:  # the last line (with or without its newline)
+                print(f"[run_dir] warning: {path}:{i}: dropped a torn last line ({len(line)} bytes)",
+                      file=sys.stderr, flush=True)
+                break
+            raise ValueError(f"{path}:{i}: not a JSON row ({e}); the file is damaged") from None
+    return rows
 
 
 class Status:

@@ -1,6 +1,8 @@
 """Exact resume, DP-size change, crash safety and compatibility checks of checkpoints."""
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -85,14 +87,14 @@ def _crash_worker(rank, world, root):
     actor.train_batch(_batch(0, 0, 1), _ppo_loss, 2)
 
     def failing_save(obj, path):
-        raise OSError("disk full (simulated)")
+        raise OSError(28, "No space left on device (simulated)")
 
     ck._save_file, real = failing_save, ck._save_file
     try:
         ckpt.save(actor, step=4, weight_version=4)
-        raised = False
-    except OSError:
-        raised = True
+        raised = None
+    except OSError as e:
+        raised = (e.errno, str(e))
     ck._save_file = real
     latest_after_crash = (Path(root) / "latest").read_text()
     resumed = _actor(cap=16)
@@ -108,11 +110,39 @@ def _crash_worker(rank, world, root):
 @pytest.mark.slow
 def test_crash_during_save_keeps_previous_checkpoint_and_latest(tmp_path):
     raised, latest, step, entries, same, after = run_gloo(_crash_worker, 1, str(tmp_path))[0]
-    assert raised
+    errno, message = raised  # an OS error stays one, naming the folder and what is current
+    assert errno == 28 and ".step_00000004.tmp" in message and "still names the previous" in message
     assert latest == "step_00000003" and step == 3 and same
     assert "step_00000001" not in entries and {"step_00000002", "step_00000003"} <= set(entries)
-    assert ".step_00000004.tmp" in entries  # the half-written save, never pointed at
+    assert ".step_00000004.tmp" not in entries  # the half-written save is removed
     assert after == ["latest", "step_00000003", "step_00000004"]
+
+
+def _corrupt_worker(rank, world, root):
+    actor, ckpt, weights = _actor(cap=16), _checkpointer(root), {}
+    for step in (1, 2, 3):  # keep_last=2 keeps steps 2 and 3
+        actor.train_batch(_batch(step - 1, 0, 1), _ppo_loss, 2)
+        ckpt.save(actor, step=step, weight_version=step)
+        weights[step] = {k: v.clone() for k, v in actor.hf_state_dict().items()}
+    distcp = sorted((Path(root) / "step_00000003" / "model").glob("*.distcp"))[0]
+    data = bytearray(distcp.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte inside the tensor data: torch.load loads it
+    distcp.write_bytes(bytes(data))
+    resumed = _actor(cap=16)
+    state = ckpt.load(resumed)
+    after = resumed.hf_state_dict()
+    return state.step, all(torch.equal(after[k], weights[2][k]) for k in weights[2]), str(distcp)
+
+
+def test_a_flipped_byte_in_a_checkpoint_is_named_and_the_previous_one_is_resumed(tmp_path):
+    step, same, damaged = run_gloo(_corrupt_worker, 1, str(tmp_path))[0]
+    assert step == 2 and same  # not step 3, silently, with damaged weights
+    out = subprocess.run([sys.executable, "-m", "areal_mcore.cli", "verify-checkpoint",
+                          str(tmp_path / "step_00000003"), str(tmp_path / "step_00000002")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out
+    assert f"{damaged}: content differs from the saved SHA-256" in out.stdout, out.stdout
+    assert f"{tmp_path / 'step_00000002'}: OK" in out.stdout, out.stdout
 
 
 # --------------------------------------------------------------------------- no processes

@@ -1,6 +1,11 @@
 """The run directory protocol: what the trainer writes is what the launchers read."""
 
+import errno
 import json
+import os
+import subprocess
+
+import pytest
 
 from areal_mcore.run_dir import RunDir, Status, checkpoint_name, checkpoint_step, point_latest_at
 
@@ -44,3 +49,43 @@ def test_status_is_rewritten_whole_on_every_update(tmp_path):
     status.update(state="RUNNING")
     got = run.read_status()
     assert (got["job_id"], got["state"], got["step"]) == ("7", "RUNNING", 0) and "updated" in got
+
+
+def test_a_torn_last_line_is_dropped_and_a_damaged_one_is_named(tmp_path, capsys):
+    run = RunDir(tmp_path)
+    run.append_stats({"step": 1})
+    with open(run.stats, "a") as f:
+        f.write('{"step": 2, "rollout/reward_mean": 0.')  # cut short by a full disk or a kill
+    assert run.stats_rows() == [{"step": 1}] and run.last_step() == 1
+    assert f"{run.stats}:2: dropped a torn last line" in capsys.readouterr().err
+    run.stats.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"stats.jsonl:2: not a JSON row"):
+        run.stats_rows()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs: a real ENOSPC (root only; mount(2) needs CAP_SYS_ADMIN)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_leaves_no_torn_line_and_the_error_names_the_file(small_disk):
+    run = RunDir(small_disk)
+    run.append_stats({"step": 1})
+    ballast, disk = small_disk / "ballast", os.statvfs(small_disk)
+    ballast.write_bytes(b"\0" * (disk.f_bavail * disk.f_frsize - 2 * 4096))  # two pages left
+    with pytest.raises(OSError, match=f"while appending to {run.stats}") as e:
+        run.append_stats({"step": 2, "blob": "x" * 20_000})  # a row larger than what is free
+    assert e.value.errno == errno.ENOSPC
+    assert run.stats.read_text() == '{"step": 1}\n'  # cut back: no torn line
+    ballast.unlink()  # space freed: the run goes on
+    run.append_stats({"step": 2, "blob": "x" * 20_000})
+    assert [r["step"] for r in run.stats_rows()] == [1, 2]

@@ -4,14 +4,18 @@ Layout under ``root``::
 
     latest                      name of the newest complete checkpoint
     step_00000042/
-      manifest.json             step, weight version, layout, versions, model args, config
+      manifest.json             step, weight version, layout, versions, model args, config,
+                                and every other file's size and SHA-256 (written last)
       model/                    megatron dist_checkpointing: model + distributed optimizer
       trainer_state.pt          LR scheduler, step, weight version, caller's extra state
       rng/rank_00003.pt         per-rank RNG: python, numpy, torch, megatron tracker
 
 A checkpoint is written into a hidden temporary folder, fsynced, and renamed into place
 before ``latest`` is replaced (also by rename), so a crash mid-save leaves the previous
-checkpoint and pointer untouched. Resuming with another data-parallel size works (the
+checkpoint and pointer untouched; a failed save (a full disk) removes its temporary folder
+and raises the OS error naming it, on every rank. Loading verifies the files against the
+manifest's hashes and falls back to the newest checkpoint that verifies, saying which it
+skipped and why (``areal-mcore verify-checkpoint DIR`` checks one by hand). Resuming with another data-parallel size works (the
 optimizer state is saved DP-reshardable); another TP/PP layout is rejected with a
 message pointing at the HF conversion tools, and so is a checkpoint saved by a newer
 megatron-core than the one running (``mcore_compat.resume_refusal``; older ones load).
@@ -24,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +46,10 @@ from areal_mcore.model.args import ModelArgs, args_mismatch
 from areal_mcore.run_dir import (
     LATEST,
     checkpoint_name,
+    hash_files,
     latest_checkpoint,
     point_latest_at,
+    verify_checkpoint,
     write_atomic,
 )
 
@@ -92,6 +99,51 @@ class Checkpointer:
             (tmp / "model").mkdir(parents=True)
             (tmp / "rng").mkdir()
         collectives.barrier(self.group)
+        manifest = self._agree(lambda: self._write(actor, tmp, step=step, weight_version=weight_version,
+                                                   extra=extra, config_snapshot=config_snapshot),
+                               tmp, step)
+        # Every rank wrote its part (the gather in _agree is the barrier): each hashes its
+        # share of the files, rank 0 records them all in the manifest, written last.
+        hashes = self._agree(lambda: hash_files(tmp, rank, dist.get_world_size(self.group)), tmp, step)
+        files = {k: v for part in collectives.all_gather_object(hashes, self.group) for k, v in part.items()}
+        self._agree(lambda: rank == 0 and write_atomic(tmp / "manifest.json",
+                                                       json.dumps({**manifest, "files": files}, indent=1)),
+                    tmp, step)
+        final = self.root / name
+        if rank == 0:
+            _fsync_tree(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            point_latest_at(self.root, name)
+            _fsync_dir(self.root)
+            self._prune(keep=final)
+        collectives.barrier(self.group)
+        return final
+
+    def _agree(self, write, tmp: Path, step: int):
+        """``write()`` on every rank; if it failed on any, every rank raises (one rank's full
+        disk must not leave the others at a barrier) and the temporary folder goes."""
+        try:
+            result, error = write(), None
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below
+            result, error = None, e
+        errors = [e for e in collectives.all_gather_object(error and f"{type(error).__name__}: {error}",
+                                                             self.group) if e]
+        if not errors:
+            return result
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = (f"checkpoint of step {step} failed writing {tmp} (removed; {self.root / LATEST} still "
+               f"names the previous checkpoint): {errors[0]}")
+        if isinstance(error, OSError):  # ENOSPC, EACCES, EIO stay what they are
+            raise OSError(error.errno, why, str(tmp)) from error
+        raise RuntimeError(why) from error
+
+    def _write(self, actor: MegatronActor, tmp: Path, *, step: int, weight_version: int,
+               extra: dict | None, config_snapshot: dict | None) -> dict | None:
+        """This rank's files; on rank 0 also the trainer state, and the manifest's fields."""
+        rank = dist.get_rank()
         dist_checkpointing.save(actor.sharded_state_dict(), str(tmp / "model"))
         _save_file(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
         if rank == 0:
@@ -109,19 +161,8 @@ class Checkpointer:
                 "hf_config": actor.hf_config.to_dict(),
                 "config": config_snapshot or {},
             }
-            write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
-        collectives.barrier(self.group)
-        final = self.root / name
-        if rank == 0:
-            _fsync_tree(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            point_latest_at(self.root, name)
-            _fsync_dir(self.root)
-            self._prune(keep=final)
-        collectives.barrier(self.group)
-        return final
+            return manifest
+        return None
 
     def _prune(self, keep: Path) -> None:
         done = sorted(p for p in self.root.glob("step_*") if p.is_dir())
@@ -138,12 +179,40 @@ class Checkpointer:
                                     f"point it at a complete step_* folder there, or remove it to start afresh")
         return path
 
+    def verify(self, path: Path) -> list[str]:
+        """What is wrong with checkpoint ``path`` (empty: it verifies), every rank checking
+        its share of the files against the manifest's hashes."""
+        rank, world = dist.get_rank(), dist.get_world_size(self.group)
+        mine = verify_checkpoint(path, share=(rank, world))
+        return [p for part in collectives.all_gather_object(mine, self.group) for p in part]
+
     def load(self, actor: MegatronActor, path: Path | None = None) -> ResumeState | None:
-        """Restores ``actor`` from ``path`` (default: latest); None if there is none."""
-        path = path or self.latest()
-        if path is None:
+        """Restores ``actor`` from ``path`` (default: the newest checkpoint that verifies,
+        saying which it skipped and why); None if there is none. A ``path`` given that does
+        not verify is an error naming its files."""
+        if path is not None:
+            problems = self.verify(Path(path))
+            if problems:
+                raise ValueError(f"checkpoint {path} does not verify: {'; '.join(problems[:5])}")
+            return self._load(actor, Path(path))
+        newest = self.latest()
+        if newest is None:
             return None
-        manifest = json.loads((Path(path) / "manifest.json").read_text())
+        older = sorted((p for p in self.root.glob("step_*") if p.is_dir() and p != newest), reverse=True)
+        skipped = []
+        for candidate in [newest, *older]:
+            problems = self.verify(candidate)
+            if not problems:
+                if skipped and dist.get_rank() == 0:
+                    print(f"[checkpoint] resuming from {candidate.name}: newer checkpoint(s) do not verify: "
+                          + "; ".join(skipped), file=sys.stderr, flush=True)
+                return self._load(actor, candidate)
+            skipped.append(f"{candidate.name}: {', '.join(problems[:3])}")
+        raise ValueError(f"no checkpoint in {self.root} verifies ({'; '.join(skipped)}): remove the "
+                         f"damaged ones to start afresh, or restore them from a copy")
+
+    def _load(self, actor: MegatronActor, path: Path) -> ResumeState:
+        manifest = json.loads((path / "manifest.json").read_text())
         _check_compatible(manifest, actor, path)
         state = dist_checkpointing.load(actor.sharded_state_dict(for_loading=True), str(path / "model"))
         actor.load_sharded_state(state)
@@ -156,7 +225,7 @@ class Checkpointer:
             warnings.warn(f"{path}: saved with another world size; RNG states are not restored",
                           stacklevel=2)
         collectives.barrier(self.group)
-        return ResumeState(path=Path(path), step=trainer["step"], weight_version=trainer["weight_version"],
+        return ResumeState(path=path, step=trainer["step"], weight_version=trainer["weight_version"],
                            extra=trainer["extra"])
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from areal_mcore.run_dir import RunDir, read_jsonl
+from areal_mcore.run_dir import RunDir, append_jsonl, read_jsonl, write_atomic
 from areal_mcore.trainer.config import TrainerConfig
 
 
@@ -162,8 +162,7 @@ class RunLogger:
 
     def eval(self, row: dict) -> None:
         if self.enabled:
-            with open(self.run_dir / "eval.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(self.run_dir / "eval.jsonl", row)
             self._scalars(row)
 
     def _scalars(self, row: dict) -> None:
@@ -213,9 +212,10 @@ class RunLogger:
 
 
 def _keep_rows(path: Path, keep) -> None:
+    """Rewrites ``path`` (atomically) with the rows ``keep`` accepts; a torn last line goes."""
     if path.is_file():
-        rows = [line for line in path.read_text().splitlines() if line.strip()]
-        path.write_text("".join(line + "\n" for line in rows if keep(json.loads(line)["step"])))
+        rows = read_jsonl(path)
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows if keep(r["step"])))
 
 
 def plot_curves(run_dir: Path) -> Path | None:
