@@ -4,6 +4,8 @@ import errno
 import json
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +91,38 @@ def test_a_full_disk_leaves_no_torn_line_and_the_error_names_the_file(small_disk
     ballast.unlink()  # space freed: the run goes on
     run.append_stats({"step": 2, "blob": "x" * 20_000})
     assert [r["step"] for r in run.stats_rows()] == [1, 2]
+
+
+_TAKE_LOCK = "import sys, time; from areal_mcore.run_dir import RunDir; RunDir(sys.argv[1]).lock(); print('locked', flush=True); time.sleep(float(sys.argv[2]))"
+
+
+def test_one_trainer_per_run_directory_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    run = RunDir(tmp_path / "run")
+    held = run.lock()
+    other = subprocess.run([sys.executable, "-c", _TAKE_LOCK, str(run.path), "0"], capture_output=True, text=True)
+    assert other.returncode != 0 and f"run directory {run.path} is in use by pid {os.getpid()} on" in other.stderr
+    held.close()
+    killed = subprocess.Popen([sys.executable, "-c", _TAKE_LOCK, str(run.path), "60"], stdout=subprocess.PIPE, text=True)
+    assert killed.stdout.readline().strip() == "locked"
+    killed.kill()  # kill -9: the kernel releases its lock; the holder line stays behind
+    killed.wait()
+    run.lock().close()
+
+
+def test_a_second_trainer_on_a_run_directory_is_refused_before_it_starts(tmp_path):
+    from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=8, n_test=2,
+                                                hidden_size=32, intermediate_size=64, num_layers=1))
+    held = RunDir(tmp_path / "tiny-cpu").lock()
+    try:
+        out = subprocess.run([sys.executable, "-m", "areal_mcore.cli", "train", "--config", "configs/tiny_cpu.yaml",
+                              f"trainer.log_dir={tmp_path}", "server.backend=embedded",
+                              f"model_path={assets['model']}", f"dataset.path={assets['train']}",
+                              f"eval_dataset.path={assets['test']}"],
+                             capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    finally:
+        held.close()
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"is in use by pid {os.getpid()}" in out.stderr and "another experiment_name" in out.stderr
+    assert not (tmp_path / "tiny-cpu" / "servers").exists()  # nothing was started

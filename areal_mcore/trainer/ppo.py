@@ -109,7 +109,7 @@ class PPORun:
         self.run_dir = self.files.path
         self.loop = LoopThread()
         self.history: list[dict] = []
-        self._signalled, self._old_handlers = False, {}
+        self._signalled, self._old_handlers, self._lock = False, {}, None
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGUSR2, signal.SIGTERM):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
@@ -121,6 +121,16 @@ class PPORun:
 
     def _setup(self) -> None:
         cfg = self.cfg
+        # One trainer per run directory, checked before anything is started or written.
+        refusal = None
+        if self.rank == 0:
+            try:
+                self._lock = self.files.lock()
+            except ValueError as e:
+                refusal = str(e)
+        refusal = collectives.broadcast_object(refusal, 0, dist.group.WORLD)
+        if refusal:
+            raise ValueError(refusal)
         self.actor = MegatronActor(cfg.actor, AutoConfig.from_pretrained(cfg.model_path), seed=cfg.seed,
                                    total_optimizer_steps=cfg.trainer.total_steps * cfg.ppo.ppo_n_minibatches)
         self.actor.load_hf_state_dict(load_hf_state_dict(cfg.model_path))
@@ -273,6 +283,8 @@ class PPORun:
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
         plot = self.logger.close() if self.logger is not None else None
+        if self._lock is not None:
+            self._lock.close()
         if not barrier:
             return
         collectives.barrier(dist.group.WORLD)
