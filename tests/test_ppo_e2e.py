@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 from _dist import run_gloo
@@ -152,6 +153,11 @@ def test_a_stop_file_checkpoints_and_exits_and_the_next_run_goes_on(tmp_path):
     assert not (run_dir / "hf").exists()  # not the last step: no export
     (second,) = run_gloo(_ppo_worker, 1, overrides)
     assert [r["step"] for r in second] == [2, 3]
+    export = run_dir / "hf" / "step_3"
+    assert (export / "config.json").is_file() and not list(export.parent.glob(".*"))
+    shutil.rmtree(export)  # as if killed during the final export (save_hf leaves none, never half)
+    (third,) = run_gloo(_ppo_worker, 1, overrides)
+    assert third == [] and (export / "config.json").is_file()  # resumed at its end: exported
     # The resumed run's checkpoint records the config it ran with, resolved (defaults,
     # interpolations and derived values filled in), as JSON.
     manifest = json.loads((run_dir / "checkpoints" / "step_00000003" / "manifest.json").read_text())

@@ -7,6 +7,8 @@ global rank 0 then numbers the shards and writes the index, config and tokenizer
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -23,10 +25,14 @@ from areal_mcore.convert.hf_writer import (
 
 def save_hf(actor: MegatronActor, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None,
             max_shard_bytes: int = 2 << 30, dtype: torch.dtype | None = None) -> None:
+    """Writes into a hidden sibling folder renamed over ``out_dir`` once complete: a kill
+    mid-export leaves the previous folder (or none), never a partial one."""
     g = actor.groups
-    out = Path(out_dir)
+    final = Path(out_dir)
+    out = final.with_name(f".{final.name}.tmp")
     if dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(out, ignore_errors=True)  # a killed export's
+        out.mkdir(parents=True)
     collectives.barrier(dist.group.WORLD)
     tensors = actor.hf_state_dict()  # collective over the TP group
     parts = []
@@ -40,4 +46,16 @@ def save_hf(actor: MegatronActor, out_dir: str | Path, *, tokenizer_dir: str | P
         ordered = [p for _, stage_parts in sorted(x for x in gathered if x[1]) for p in stage_parts]
         finalize_shards(out, ordered)
         write_model_files(out, actor.hf_config, tokenizer_dir)
+        _replace_dir(out, final)
     collectives.barrier(dist.group.WORLD)
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    """``new`` takes ``final``'s place (a directory cannot be renamed over a full one: the
+    old one steps aside first, and goes once the new one is in place)."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(new, final)
+    shutil.rmtree(old, ignore_errors=True)

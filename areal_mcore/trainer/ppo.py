@@ -86,6 +86,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                 run.maybe_save(step + 1, force=stop)
             if stop:
                 break
+        run.export_if_missing()
     except BaseException:
         run.close(barrier=False)  # the other ranks may be gone: no collective
         raise
@@ -241,6 +242,16 @@ class PPORun:
         if last or (t.export_freq and step % t.export_freq == 0):
             self.hf_dir = self.run_dir / "hf" / f"step_{step}"
             save_hf(self.actor, self.hf_dir, tokenizer_dir=self.cfg.tokenizer_path or self.cfg.model_path)
+
+    def export_if_missing(self) -> None:
+        """A run resumed at its last step (killed during its final HF export, which
+        ``save_hf`` leaves absent, never partial) writes the export it lacks."""
+        total = self.cfg.trainer.total_steps
+        hf_dir = self.run_dir / "hf" / f"step_{total}"
+        if self.start_step == total and not (hf_dir / "config.json").is_file():
+            save_hf(self.actor, hf_dir, tokenizer_dir=self.cfg.tokenizer_path or self.cfg.model_path)
+        if self.start_step == total:
+            self.hf_dir = hf_dir
 
     def log(self, step: int, batch, rollout_stats: dict, train_stats: dict, sync_stats: dict) -> None:
         g = self.actor.groups
