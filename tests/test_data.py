@@ -35,11 +35,14 @@ def test_bad_row_error_names_file_and_line(tmp_path, row, why):
         load_problems(DatasetConfig(path=str(path)))
 
 
-def test_skip_bad_rows_counts_every_kind(tmp_path):
+def test_skip_bad_rows_counts_every_kind_and_says_which(tmp_path, capsys):
     path = _file(tmp_path, [GOOD.encode()] + [row for row, _ in BAD_ROWS] + [GOOD.encode()])
     problems, report = load_problems(DatasetConfig(path=str(path), skip_bad_rows=True))
     assert len(problems) == 2 and report.rows == 2 + len(BAD_ROWS)
     assert len(report.bad_rows) == len(BAD_ROWS)
+    err = capsys.readouterr().err
+    assert f"skipped {len(BAD_ROWS)} bad row(s) of {report.rows} in {path}" in err
+    assert all(f"{path}:{i + 2}: " in err for i in range(len(BAD_ROWS)))  # each one, by file:line
     assert [p.source for p in problems] == [f"{path}:1", f"{path}:{len(BAD_ROWS) + 2}"]
 
 

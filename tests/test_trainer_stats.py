@@ -60,3 +60,14 @@ def test_a_resumed_logger_drops_what_the_killed_run_logged_after_its_checkpoint(
     assert [json.loads(x)["step"] for x in (tmp_path / "stats.jsonl").read_text().splitlines()] == [1, 2]
     # step 2's eval runs again right after the resume
     assert [json.loads(x)["step"] for x in (tmp_path / "eval.jsonl").read_text().splitlines()] == [0]
+
+
+def test_a_fresh_run_sets_an_earlier_runs_rows_aside_instead_of_appending(tmp_path):
+    cfg = TrainerConfig(total_steps=5, batch_size=1, tensorboard=False, progress=False)
+    (tmp_path / "stats.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    S.RunLogger(cfg, tmp_path, enabled=True, start_step=0)  # no checkpoint: starts at step 1
+    assert not (tmp_path / "stats.jsonl").exists() and not (tmp_path / "eval.jsonl").exists()
+    (aside,) = tmp_path.glob("stats.before-*.jsonl")
+    assert [json.loads(x)["step"] for x in aside.read_text().splitlines()] == [1, 2]
+    assert len(list(tmp_path.glob("eval.before-*.jsonl"))) == 1

@@ -22,6 +22,7 @@ can name bytes that are no valid UTF-8 and the filters can copy rows byte for by
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +94,11 @@ def load_problems(cfg: DatasetConfig) -> tuple[list[Problem], LoadReport]:
             if not cfg.skip_bad_rows:
                 raise
             report.bad_rows.append(str(e))
+    if report.bad_rows:  # said where it happens, whoever called (training, SFT, eval, filters)
+        shown = report.bad_rows[:20]
+        more = f"\n  ... and {len(report.bad_rows) - len(shown)} more" if len(report.bad_rows) > len(shown) else ""
+        print(f"[data] skipped {len(report.bad_rows)} bad row(s) of {report.rows} in {cfg.path} "
+              f"(dataset.skip_bad_rows=true):\n  " + "\n  ".join(shown) + more, file=sys.stderr, flush=True)
     return problems, report
 
 

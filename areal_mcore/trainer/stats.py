@@ -135,6 +135,9 @@ class RunLogger:
         if start_step:  # a resumed run redoes what a killed one logged after its checkpoint
             _keep_rows(RunDir(run_dir).stats, lambda step: step <= start_step)
             _keep_rows(run_dir / "eval.jsonl", lambda step: step < start_step)
+        else:  # a fresh run: an earlier run's rows (its checkpoints gone) are set aside
+            for path in (RunDir(run_dir).stats, run_dir / "eval.jsonl"):
+                _set_aside(path)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -209,6 +212,15 @@ class RunLogger:
                 self.wandb.image("curves", plot)
             self.wandb.finish()
         return plot
+
+
+def _set_aside(path: Path) -> None:
+    """Renames a non-empty ``path`` to ``<stem>.before-<time><suffix>`` (a fresh run's rows
+    appended to an old run's read as steps 1, 2, 1, 2)."""
+    if path.is_file() and path.stat().st_size:
+        aside = path.with_name(f"{path.stem}.before-{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
+        path.replace(aside)
+        print(f"[ppo] a fresh run (no checkpoint): the earlier {path.name} is now {aside.name}", flush=True)
 
 
 def _keep_rows(path: Path, keep) -> None:
