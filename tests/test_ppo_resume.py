@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 
 import _tiers
@@ -106,3 +107,29 @@ def test_killed_run_resumes_with_the_same_rewards_and_losses(tmp_path):
     events = acc.Scalars("rollout/reward_mean")
     assert [e.step for e in events] == list(range(1, STEPS + 1))
     assert [e.value for e in events] == pytest.approx([r["rollout/reward_mean"] for r in reference])
+
+
+def test_a_run_goes_on_when_one_of_two_servers_dies(tmp_path):
+    """kill -9 of one of two servers after step 2: generation fails over to the survivor,
+    and the next weight sync drops the dead one (it raised WeightSyncError and the run
+    ended) and goes on to the survivor alone."""
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=32, n_test=4,
+                                                hidden_size=32, intermediate_size=64, num_layers=1))
+    with embedded_servers(assets["model"], str(tmp_path / "logs"), n=2) as servers:
+        overrides = [*_overrides(assets, f"{servers[0].address},{servers[1].address}", tmp_path),
+                     "trainer.save_freq=0"]
+        stats = tmp_path / "resume" / "stats.jsonl"
+
+        def kill_after_two_steps():
+            deadline = time.time() + 300
+            while not (stats.exists() and len(stats.read_text().splitlines()) >= 2) and time.time() < deadline:
+                time.sleep(0.05)
+            servers[1].proc.kill()
+
+        killer = threading.Thread(target=kill_after_two_steps, daemon=True)
+        killer.start()
+        (rows,) = run_gloo(_ppo_worker, 1, overrides)
+        killer.join()
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[0]["sync/server_versions"] == ["1", "1"]
+    assert rows[-1]["sync/server_versions"] == [str(STEPS)]  # the survivor, at every step's weights

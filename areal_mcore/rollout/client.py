@@ -16,6 +16,7 @@ with its own earlier attempt whose abort has not finished ("Duplicate request ID
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -201,6 +202,24 @@ class RolloutClient:
                 return chosen
             await self.check_health()
         raise RolloutError(f"no healthy rollout server among {self.cfg.addresses}")
+
+    async def dead_servers(self) -> list[str]:
+        """The servers a ``/health`` probe finds gone: a refused connection or an engine
+        that says it is dead (a slow answer, a timeout or another HTTP error is not)."""
+        async def probe(s: _Server) -> bool:
+            s.healthy = True  # _request sets it to False for a refused connection or a dead engine
+            with contextlib.suppress(RolloutError):
+                await self.request(s, "GET", "/health", timeout=30, parse=False)
+            return s.healthy
+        alive = await asyncio.gather(*[probe(s) for s in self.servers])
+        return [s.address for s, ok in zip(self.servers, alive, strict=True) if not ok]
+
+    def drop(self, addresses: list[str]) -> None:
+        """Takes servers out of this client for good (dead ones the weight sync left behind:
+        back at the same address they would serve old weights)."""
+        self.servers = [s for s in self.servers if s.address not in addresses]
+        for key in [k for k, a in self._affinity.items() if a in addresses]:
+            del self._affinity[key]
 
     async def check_health(self) -> list[bool]:
         """Probes ``/health`` on every server and marks each healthy or not."""

@@ -106,6 +106,7 @@ class SyncStats:
     buckets: int = 0
     failures: list[str] = field(default_factory=list)
     failed_servers: list[str] = field(default_factory=list)
+    dropped_servers: list[str] = field(default_factory=list)  # dead: out of the fleet for good
 
     def fail(self, what: str, error: BaseException) -> None:
         self.failures.append(f"{what}: {error}")
@@ -278,6 +279,7 @@ class WeightSyncer:
         if self.cfg.mode == "disk":
             await self._push_disk(version, stats)
         elif self.participates:
+            stats.dropped_servers = await self._drop_dead_servers()
             if self._regroup:
                 await self._form_groups()
             try:
@@ -295,6 +297,30 @@ class WeightSyncer:
                 raise
         stats.total_s = time.perf_counter() - start
         return stats
+
+    async def _drop_dead_servers(self) -> list[str]:
+        """Servers that no longer answer ``/health`` (a lost node, kill -9) leave the sync
+        for good and the push goes on to the others, in groups re-formed without them (the
+        rollout side stopped sending them work when they refused a connection, and drops
+        them too: back at the same address, they would serve old weights). The coordinator
+        probes; every participating rank learns the verdict."""
+        dead: list[str] = []
+        if self.is_coordinator:
+            dead = await self.client.dead_servers()
+        group = self.g.mp if self.cfg.mode == "distributed" else None
+        dead = sorted({a for part in await self._in_thread(collectives.all_gather_object, dead, group)
+                       for a in part})
+        if not dead:
+            return []
+        if self.is_sender:
+            self.client.drop(dead)
+            if not self.client.servers:
+                raise WeightSyncError(f"no rollout server left: {dead} no longer answer /health", dead)
+        if self.is_coordinator:
+            print(f"[weight_sync] rollout server(s) {dead} no longer answer /health: syncing the other "
+                  f"{len(self.client.servers)} from now on", flush=True)
+        self._regroup = True  # the groups' world size changed
+        return dead
 
     async def _begin(self) -> None:
         await self.client.begin_update(self.cfg.pause_mode)
