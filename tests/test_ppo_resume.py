@@ -133,3 +133,40 @@ def test_a_run_goes_on_when_one_of_two_servers_dies(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[0]["sync/server_versions"] == ["1", "1"]
     assert rows[-1]["sync/server_versions"] == [str(STEPS)]  # the survivor, at every step's weights
+
+
+def test_sigterm_mid_rollout_checkpoints_the_last_step_at_once_and_the_run_resumes(tmp_path):
+    """Slurm's scancel or preemption sends SIGTERM and SIGKILL KillWait (30 s) later. The
+    signal was acted on only at the end of the step, so a rollout of minutes (here: one
+    that never ends, the server stalled) was killed without a checkpoint. Now the rollout
+    is abandoned and the last finished step checkpointed at once."""
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=32, n_test=4,
+                                                hidden_size=32, intermediate_size=64, num_layers=1))
+    stats = tmp_path / "resume" / "stats.jsonl"
+    with contextlib.ExitStack() as stack:
+        # Step 1 asks 2 prompts x 4 samples; every generate request after those stalls.
+        stalled = stack.enter_context(embedded_servers(assets["model"], str(tmp_path / "a"), n=1,
+                                                       extra_args=["--stall-after", "8"]))[0]
+        good = stack.enter_context(embedded_servers(assets["model"], str(tmp_path / "b"), n=1))[0]
+        overrides = [*_overrides(assets, stalled.address, tmp_path), "trainer.save_freq=0"]
+        ctx, port = rank_context(), free_port()
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_worker, args=(0, 1, port, _ppo_worker, (overrides,), queue,
+                                                 _tiers.marks(), dict(os.environ)))
+        proc.start()
+        deadline = time.time() + 300
+        while not (stats.exists() and len(stats.read_text().splitlines()) >= 1):
+            assert time.time() < deadline and proc.exitcode is None
+            time.sleep(0.05)
+        time.sleep(1.0)  # in step 2's rollout, which never ends
+        signalled = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        queue.get(timeout=60)  # the run returned
+        proc.join(30)
+        took = time.monotonic() - signalled
+        print(f"SIGTERM mid-rollout: checkpointed and exited after {took:.1f} s")
+        assert proc.exitcode == 0 and took < 20, (proc.exitcode, took)
+        assert (tmp_path / "resume" / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+        (rows,) = run_gloo(_ppo_worker, 1, [*_overrides(assets, good.address, tmp_path), "trainer.save_freq=0"])
+    assert [r["step"] for r in rows] == [2, 3, 4]  # from the checkpoint of step 1
+    assert [r["step"] for r in _rows(stats)] == [1, 2, 3, 4]

@@ -16,6 +16,7 @@ Fault injection for tests (never set in production): ``--fail-update N`` makes t
 does in SGLang; ``--die-at-update N`` SIGKILLs the server when the N-th arrives (a node
 lost mid-update, before that bucket's broadcast); ``--refuse-update N`` answers the N-th
 with a refusal before its receive (as a request that fails validation is);
+``--stall-after N`` never answers the generate requests after the N-th (a stalled engine);
 ``--refuse-group-init`` refuses every
 update-group init at once; ``--delay-group-init SUBSTR=SECONDS`` holds init calls whose group name
 contains SUBSTR before they queue (to force an arrival order between servers).
@@ -63,6 +64,7 @@ class ServerArgs:
     refuse_update: int = 0  # fault injection: 0: off
     refuse_group_init: bool = False  # fault injection
     delay_group_init: str | None = None  # fault injection: "SUBSTR=SECONDS"
+    stall_after: int = 0  # fault injection: generate requests after the N-th never start; 0: off
 
     def __post_init__(self):
         if self.dtype not in W.DTYPES:
@@ -85,6 +87,7 @@ class _State:
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.session = False  # between begin_weight_update and end_weight_update
         self.updates = 0  # update_weights_from_distributed calls so far
+        self.generates = 0  # generate calls so far
         self.recv_buffer = W.ReusableBuffer()
 
 
@@ -221,6 +224,10 @@ async def generate(request: web.Request) -> web.Response:
         return _error(400, "stream=true is not supported by the embedded server")
     ids = body.get("input_ids")
     batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    st = request.app[STATE_KEY]
+    st.generates += 1
+    if st.args.stall_after and st.generates > st.args.stall_after:  # fault injection
+        await asyncio.Event().wait()  # as a stalled engine: the connection stays open, no answer
     try:
         sampling = body.get("sampling_params") or {}
         rids = body.get("rid")
@@ -509,6 +516,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    help="fault injection: the N-th update_weights_from_distributed fails")
     p.add_argument("--die-at-update", type=int, default=0,
                    help="fault injection: SIGKILL at the N-th update_weights_from_distributed")
+    p.add_argument("--stall-after", type=int, default=0,
+                   help="fault injection: generate requests after the N-th are never answered")
     p.add_argument("--refuse-update", type=int, default=0,
                    help="fault injection: refuse the N-th update_weights_from_distributed "
                         "before its receive")

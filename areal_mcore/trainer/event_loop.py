@@ -20,14 +20,27 @@ T = TypeVar("T")
 class LoopThread:
     def __init__(self, name: str = "ppo-asyncio"):
         self.loop = asyncio.new_event_loop()
+        self._current = None
         # On the creating (bound) thread's GPU: the weight sync runs CUDA work here.
         self._thread = threading.Thread(target=inherit_device(self.loop.run_forever), name=name,
                                         daemon=True)
         self._thread.start()
 
     def run(self, coro: Coroutine[object, object, T]) -> T:
-        """Runs ``coro`` on the loop; blocks until it is done and returns its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        """Runs ``coro`` on the loop; blocks until it is done and returns its result (raises
+        ``concurrent.futures.CancelledError`` if ``cancel_current`` cancelled it)."""
+        self._current = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return self._current.result()
+        finally:
+            self._current = None
+
+    def cancel_current(self) -> None:
+        """Cancels what ``run`` waits for (safe from a signal handler: the wait is the
+        main thread's, and a future's cancel only schedules the task's cancellation)."""
+        current = self._current
+        if current is not None:
+            current.cancel()
 
     def call(self, fn: Callable[..., T], *args) -> T:
         """Calls ``fn(*args)`` on the loop's thread and returns its result."""

@@ -13,6 +13,7 @@ most ``rollout.max_head_offpolicyness`` versions old and the decoupled loss corr
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import signal
 import threading
@@ -65,7 +66,11 @@ def train(cfg: ExperimentConfig) -> list[dict]:
         run.evaluate(step=run.start_step)
         for step in range(run.start_step, cfg.trainer.total_steps):
             with phase("rollout"):
-                samples, rollout_stats = run.rollout(step)
+                got = run.rollout(step)
+            if got is None:  # a signal during the rollout: it is abandoned, the last step saved
+                run.save_interrupted(step)
+                break
+            samples, rollout_stats = got
             with phase("advantages"):
                 batch = to_train_batch(samples, ppo, dp_group=run.actor.groups.dp)
             temperature = cfg.rollout.temperature  # score what the servers sampled from
@@ -84,6 +89,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             stop = run.stop_requested()  # <run>/STOP, SIGUSR2 or SIGTERM: checkpoint and leave
             with phase("save"):  # reported with the next step
                 run.maybe_save(step + 1, force=stop)
+            run.remember_state()
             if stop:
                 break
         run.export_if_missing()
@@ -111,8 +117,9 @@ class PPORun:
         self.loop = LoopThread()
         self.history: list[dict] = []
         self._signalled, self._old_handlers, self._lock = False, {}, None
+        self._in_rollout, self._resume_state = False, None
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGUSR2, signal.SIGTERM):
+            for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
             self._setup()
@@ -166,6 +173,7 @@ class PPORun:
         if t.mode == "async" and self.rank == 0:
             self.rollout_side.start_sampling()
         self._last_row_t = time.perf_counter()
+        self.remember_state()
 
     # ---- resumable state (rank 0; the actor's own is the checkpointer's) ------------------
     def state_dict(self) -> dict | None:
@@ -181,15 +189,44 @@ class PPORun:
     def load_state_dict(self, state: dict) -> None:
         self.rollout_side.load_state_dict(state)  # wandb_run_id is read when the logger starts
 
+    def remember_state(self) -> None:
+        """The state at the end of a step: what a checkpoint of that step holds when a
+        signal interrupts the next rollout (which draws prompts, so the state moves on)."""
+        self._resume_state = self.state_dict()
+
+    def save_interrupted(self, step: int) -> None:
+        """A signal came during step ``step + 1``'s rollout, which was abandoned: the actor
+        still holds step ``step``'s weights, checkpointed here with the state that step
+        ended with (unless it was saved already), so a resumed run redoes the rollout."""
+        if self.rank == 0:
+            self.logger.print(f"[ppo] signal during the rollout of step {step + 1}: abandoned; "
+                              f"checkpointing step {step} and exiting")
+        if step and self.files.checkpoint_step() != step:
+            self.checkpointer.save(self.actor, step=step, weight_version=step, extra=self._resume_state,
+                                   config_snapshot=dataclasses.asdict(self.cfg))
+
     # ---- the step's parts --------------------------------------------------------------
     def rollout(self, step: int):
         """Rank 0 samples (sync) or collects (async) the batch; every rank returns its
         data-parallel replica's share as a ``RolloutShard`` (trainer/dispatch.py)."""
-        samples, stats, side = None, None, self.rollout_side
+        samples, stats, side, interrupted = None, None, self.rollout_side, False
         if side is not None:
-            out = side.rollout()
-            self.logger.dump_rollouts(step + 1, out.samples, side.decode)
-            samples, stats = out.samples, out.stats
+            self._in_rollout = not self._signalled
+            try:
+                out = side.rollout() if self._in_rollout else None
+            except concurrent.futures.CancelledError:  # _on_signal
+                out = None
+            finally:
+                self._in_rollout = False
+            if out is None:
+                interrupted = True
+                side.abort_all()  # the servers stop generating what nobody waits for
+            else:
+                self.logger.dump_rollouts(step + 1, out.samples, side.decode)
+                samples, stats = out.samples, out.stats
+        # The other ranks wait here for rank 0's rollout (on the gloo control group).
+        if collectives.broadcast_object(interrupted, 0, self.control):
+            return None
         packer = side.packer if side is not None else None
         shard, moved = self.dispatcher.dispatch(samples, self.cfg.rollout.n_samples, packer)
         stats = collectives.broadcast_object(stats, 0, dist.group.WORLD)  # a few scalars
@@ -232,7 +269,15 @@ class PPORun:
         return any(flags)
 
     def _on_signal(self, signum, frame) -> None:
-        self._signalled = True  # acted on at the end of the step, between collectives
+        """SIGTERM (scancel, preemption: SIGKILL follows after KillWait), SIGUSR2 (the time
+        limit) and SIGINT: a rollout in progress is abandoned at once (rank 0) and the last
+        finished step checkpointed; otherwise the step finishes and is checkpointed. A
+        second Ctrl-C interrupts for good."""
+        if signum == signal.SIGINT and self._signalled:
+            raise KeyboardInterrupt
+        self._signalled = True
+        if self._in_rollout:
+            self.loop.cancel_current()
 
     def maybe_save(self, step: int, force: bool = False) -> None:
         """A checkpoint every ``trainer.save_freq`` steps (and when ``force``d), an HF

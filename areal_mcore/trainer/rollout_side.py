@@ -8,6 +8,8 @@ into the client and controllers runs on the trainer's event-loop thread.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import time
 from functools import partial
@@ -15,7 +17,7 @@ from functools import partial
 from areal_mcore.data.prompts import prompts_for
 from areal_mcore.data.sampler import EpochSampler
 from areal_mcore.reward.pool import RewardPool
-from areal_mcore.rollout.client import ClientConfig, RolloutClient
+from areal_mcore.rollout.client import ClientConfig, RolloutClient, RolloutError
 from areal_mcore.rollout.controller import RolloutBatch, RolloutController
 from areal_mcore.rollout.launcher import launch_servers
 from areal_mcore.run_dir import RunDir
@@ -98,6 +100,13 @@ class RolloutSide:
         """Tags new samples with ``version``; returns the servers' weight versions."""
         self.loop.call(self.controller.set_version, version)
         return self.loop.run(self.client.weight_versions())
+
+    def abort_all(self) -> None:
+        """Best effort, bounded: the servers drop what an abandoned rollout asked for."""
+        async def abort():
+            with contextlib.suppress(RolloutError, asyncio.TimeoutError):
+                await asyncio.wait_for(self.client.abort_all(), 10)
+        self.loop.run(abort())
 
     def state_dict(self) -> dict:
         return {"sampler": self.loop.call(self.sampler.state_dict),
