@@ -185,9 +185,13 @@ class RunDir:
     def stats_rows(self) -> list[dict]:
         return read_jsonl(self.stats)
 
+    def stats_tail(self, n: int) -> list[dict]:
+        """The last ``n`` rows, read from the end of the file."""
+        return read_jsonl(self.stats, last=n)
+
     def last_step(self) -> int:
         """The step of the last finished row (0 before the first)."""
-        rows = self.stats_rows()
+        rows = self.stats_tail(1)
         return rows[-1]["step"] if rows else 0
 
     # ---- checkpoints -----------------------------------------------------------------
@@ -227,12 +231,15 @@ def append_jsonl(path: Path, row: dict) -> None:
             raise OSError(e.errno, f"{e.strerror} while appending to {path}", str(path)) from e
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a JSONL file; a torn last line (a write cut short: a full disk, a kill)
-    is dropped with a warning. Any other unreadable line is an error naming file:line."""
+def read_jsonl(path: Path, *, last: int | None = None) -> list[dict]:
+    """The rows of a JSONL file (``last``: its last rows only, read from the end: launchers
+    poll it every second). A torn last line (a write cut short: a full disk, a kill; or one
+    being appended right now) is dropped, with a warning on a whole read. Any other
+    unreadable line is an error naming the file (and the line, on a whole read)."""
     if not path.is_file():
         return []
-    lines = path.read_bytes().split(b"\n")
+    data, first = (path.read_bytes(), 1) if last is None else (_tail(path, last + 1), None)
+    lines = data.split(b"\n")
     rows = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -241,11 +248,25 @@ def read_jsonl(path: Path) -> list[dict]:
             rows.append(json.loads(line))
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             if i >= len(lines) - 1:  # the last line (with or without its newline)
-                print(f"[run_dir] warning: {path}:{i}: dropped a torn last line ({len(line)} bytes)",
-                      file=sys.stderr, flush=True)
+                if first is not None:
+                    print(f"[run_dir] warning: {path}:{i}: dropped a torn last line ({len(line)} bytes)",
+                          file=sys.stderr, flush=True)
                 break
-            raise ValueError(f"{path}:{i}: not a JSON row ({e}); the file is damaged") from None
-    return rows
+            where = f"{path}:{i}" if first is not None else f"{path} (near its end)"
+            raise ValueError(f"{where}: not a JSON row ({e}); the file is damaged") from None
+    return rows if last is None else rows[-last:]
+
+
+def _tail(path: Path, lines: int, block: int = 1 << 16) -> bytes:
+    """The bytes of ``path``'s last ``lines`` whole lines (and a partial last one)."""
+    with open(path, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        data, pos = b"", end
+        while pos > 0 and data.count(b"\n") <= lines:
+            pos = max(0, pos - block)
+            f.seek(pos)
+            data = f.read(end - pos)
+    return data if pos == 0 else data.split(b"\n", 1)[1]  # from a line's start
 
 
 class Status:

@@ -126,3 +126,14 @@ def test_a_second_trainer_on_a_run_directory_is_refused_before_it_starts(tmp_pat
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"is in use by pid {os.getpid()}" in out.stderr and "another experiment_name" in out.stderr
     assert not (tmp_path / "tiny-cpu" / "servers").exists()  # nothing was started
+
+
+def test_the_last_rows_are_read_from_the_end_of_the_file(tmp_path):
+    run = RunDir(tmp_path)
+    for step in range(1, 2001):
+        run.append_stats({"step": step, "blob": "x" * 100})
+    assert [r["step"] for r in run.stats_tail(5)] == [1996, 1997, 1998, 1999, 2000]
+    assert run.last_step() == 2000 and [r["step"] for r in run.stats_tail(3000)] == list(range(1, 2001))
+    with open(run.stats, "a") as f:
+        f.write('{"step": 2001, "bl')  # being appended right now
+    assert run.last_step() == 2000

@@ -261,7 +261,7 @@ class Launcher:
     def _stop_lead_s(self) -> float:
         """``launch.stop_lead_s``, or more when the slowest of the last steps (its time
         includes the previous step's checkpoint save) would not fit in it."""
-        slowest = max((r.get("time/step_s", 0.0) for r in self.files.stats_rows()[-5:]), default=0.0)
+        slowest = max((r.get("time/step_s", 0.0) for r in self.files.stats_tail(5)), default=0.0)
         launch = self.cfg.launch
         return max(launch.stop_lead_s, 1.5 * slowest + launch.requeue_margin_s)
 
