@@ -170,3 +170,34 @@ def test_sigterm_mid_rollout_checkpoints_the_last_step_at_once_and_the_run_resum
         (rows,) = run_gloo(_ppo_worker, 1, [*_overrides(assets, good.address, tmp_path), "trainer.save_freq=0"])
     assert [r["step"] for r in rows] == [2, 3, 4]  # from the checkpoint of step 1
     assert [r["step"] for r in _rows(stats)] == [1, 2, 3, 4]
+
+
+def test_a_run_goes_on_when_one_of_two_servers_stalls(tmp_path):
+    """SIGSTOP of one of two servers after step 1 (a hung engine: its connections stay
+    open, nothing answers): requests waited there for rollout.request_timeout_s (an
+    hour) and the next sync's pause for ever. Now they go to the other server once it
+    answered nothing for stall_after_s and /health neither, and the sync drops it."""
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=32, n_test=4,
+                                                hidden_size=32, intermediate_size=64, num_layers=1))
+    with embedded_servers(assets["model"], str(tmp_path / "logs"), n=2) as servers:
+        overrides = [*_overrides(assets, f"{servers[0].address},{servers[1].address}", tmp_path),
+                     "trainer.save_freq=0", "rollout.stall_after_s=2", "rollout.stall_probe_s=1"]
+        stats = tmp_path / "resume" / "stats.jsonl"
+
+        def stop_after_one_step():
+            deadline = time.time() + 300
+            while not (stats.exists() and stats.read_text().strip()) and time.time() < deadline:
+                time.sleep(0.02)
+            os.kill(servers[1].proc.pid, signal.SIGSTOP)
+
+        stopper = threading.Thread(target=stop_after_one_step, daemon=True)
+        stopper.start()
+        try:
+            t = time.monotonic()
+            (rows,) = run_gloo(_ppo_worker, 1, overrides)
+            took = time.monotonic() - t
+        finally:
+            stopper.join()
+            os.kill(servers[1].proc.pid, signal.SIGCONT)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[-1]["sync/server_versions"] == [str(STEPS)] and took < 120, took

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ class ClientConfig:
     # with "Connection reset by peer" (seen on /init_weight_transfer_engine after a pause).
     keepalive_s: float = 2.0
     backend: str = "sglang"  # the servers' engine (rollout.server.backend)
+    stall_after_s: float = 300.0  # rollout.stall_after_s (see RolloutConfig)
+    stall_probe_s: float = 30.0
 
     def __post_init__(self):
         engine_for(self.backend)  # raises ValueError naming the engines
@@ -76,6 +79,9 @@ class _Server:
     tp_size: int = 1
     dp_size: int = 1
     pp_size: int = 1
+    last_answer: float = 0.0  # monotonic time of its last completion (or busy period's start)
+    stalled: bool = False
+    attempts: set = dataclasses.field(default_factory=set)  # generate attempts in flight
 
     @property
     def old_api(self) -> bool:
@@ -97,6 +103,7 @@ class RolloutClient:
         self._cancelled: set[str] = set()
         self._wire: dict[str, tuple[_Server, str]] = {}  # rid -> (server, wire rid) in flight
         self._background: set[asyncio.Task] = set()
+        self._watchdog: asyncio.Task | None = None  # _watch_stalls
         self._session: aiohttp.ClientSession | None = None
         # group key -> the server its first sample went to (most recent groups only)
         self._affinity: OrderedDict[str, str] = OrderedDict()
@@ -114,8 +121,13 @@ class RolloutClient:
             headers=headers, connector=aiohttp.TCPConnector(limit=self.cfg.max_connections,
                                            keepalive_timeout=self.cfg.keepalive_s))
         await asyncio.gather(*[self._detect(s) for s in self.servers])
+        self._watchdog = asyncio.ensure_future(self._watch_stalls())
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+            self._watchdog = None
         for task in list(self._background):  # background aborts of timed-out requests
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -149,12 +161,22 @@ class RolloutClient:
             server = await self._choose(failed, group)
             path, body = self.engine.generate_request(server, c.input_ids + c.output_ids,
                                                       params, f"{c.rid}.{wire}")
+            if not server.in_flight:  # a busy period starts: so does its stall clock
+                server.last_answer = time.monotonic()
             server.in_flight += 1
             self._wire[c.rid] = (server, f"{c.rid}.{wire}")
+            attempt = asyncio.ensure_future(self._request(
+                server, "POST", path, body, timeout=self.cfg.request_timeout_s, retryable=True,
+                wire_rid=f"{c.rid}.{wire}"))
+            server.attempts.add(attempt)
             try:
-                out = await self._request(server, "POST", path, body,
-                                          timeout=self.cfg.request_timeout_s, retryable=True,
-                                          wire_rid=f"{c.rid}.{wire}")
+                try:
+                    out = await attempt
+                except asyncio.CancelledError:  # by _watch_stalls, or this call's own cancel
+                    if not server.stalled or asyncio.current_task().cancelling():
+                        raise
+                    raise _Retryable("the server stalled") from None
+                server.last_answer = time.monotonic()
             except _Retryable as e:
                 c.attempts += 1
                 failed.add(server.address)
@@ -167,6 +189,7 @@ class RolloutClient:
                 continue
             finally:
                 server.in_flight -= 1
+                server.attempts.discard(attempt)
                 self._wire.pop(c.rid, None)
             chunk = self.engine.parse_generate(server, out, remaining)
             c.output_ids += chunk.output_ids
@@ -203,16 +226,50 @@ class RolloutClient:
             await self.check_health()
         raise RolloutError(f"no healthy rollout server among {self.cfg.addresses}")
 
-    async def dead_servers(self) -> list[str]:
-        """The servers a ``/health`` probe finds gone: a refused connection or an engine
-        that says it is dead (a slow answer, a timeout or another HTTP error is not)."""
+    async def _watch_stalls(self) -> None:
+        """Marks stalled servers (see RolloutConfig.stall_after_s) unhealthy and sends their
+        requests elsewhere: each in-flight attempt there is cancelled, and ``generate``
+        retries it on another server (from what it generated, as after an abort)."""
+        while True:
+            await asyncio.sleep(min(10.0, self.cfg.stall_after_s / 2))
+            for s in self.servers:
+                quiet = time.monotonic() - s.last_answer
+                if not (s.healthy and s.in_flight and quiet > self.cfg.stall_after_s):
+                    continue
+                if await self._answers_health(s, self.cfg.stall_probe_s):
+                    s.last_answer = time.monotonic()  # alive: long generations, no answer yet
+                    continue
+                s.healthy, s.stalled = False, True
+                log.warning("rollout server %s stalled: no answer for %.0f s and none to /health "
+                            "within %.0f s; its %d request(s) go to the other servers", s.address,
+                            quiet, self.cfg.stall_probe_s, s.in_flight)
+                for attempt in list(s.attempts):
+                    attempt.cancel()
+
+    async def _answers_health(self, s: _Server, timeout: float) -> bool:
+        try:
+            async with self._session.get(f"http://{s.address}/health",
+                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    def stalled_servers(self) -> list[str]:
+        return [s.address for s in self.servers if s.stalled]
+
+    async def dead_servers(self, known: list[str] = ()) -> list[str]:
+        """``known`` and the other servers a ``/health`` probe finds gone: a refused
+        connection or an engine that says it is dead (a slow answer, a timeout or another
+        HTTP error is not)."""
         async def probe(s: _Server) -> bool:
             s.healthy = True  # _request sets it to False for a refused connection or a dead engine
             with contextlib.suppress(RolloutError):
                 await self.request(s, "GET", "/health", timeout=30, parse=False)
             return s.healthy
-        alive = await asyncio.gather(*[probe(s) for s in self.servers])
-        return [s.address for s, ok in zip(self.servers, alive, strict=True) if not ok]
+        known = [s.address for s in self.servers if s.address in known]  # not those dropped already
+        probed = [s for s in self.servers if s.address not in known]
+        alive = await asyncio.gather(*[probe(s) for s in probed])
+        return [*known, *(s.address for s, ok in zip(probed, alive, strict=True) if not ok)]
 
     def drop(self, addresses: list[str]) -> None:
         """Takes servers out of this client for good (dead ones the weight sync left behind:
@@ -226,7 +283,7 @@ class RolloutClient:
         async def probe(s: _Server) -> bool:
             try:
                 await self._request(s, "GET", "/health", timeout=10, parse=False)
-                s.healthy = True
+                s.healthy, s.stalled = True, False
             except RolloutError:
                 s.healthy = False
             return s.healthy

@@ -43,9 +43,17 @@ class RolloutConfig:
     max_concurrent_rollouts: int = 64  # prompt groups in flight
     max_head_offpolicyness: int = 4
     seed: int = 1
+    # A server with requests in flight that answered none for stall_after_s and does not
+    # answer /health within stall_probe_s is stalled (a hung engine, a stopped process, a
+    # node gone with its connections open): its requests go to the others, and the weight
+    # sync drops it. A healthy SGLang answers /health within its own 20 s check.
+    stall_after_s: float = 300.0
+    stall_probe_s: float = 30.0
 
     def __post_init__(self):
         check_positive("n_samples", self.n_samples)
+        check_positive("stall_after_s", self.stall_after_s)
+        check_positive("stall_probe_s", self.stall_probe_s)
         check_positive("max_concurrent_rollouts", self.max_concurrent_rollouts)
         check_positive("max_head_offpolicyness", self.max_head_offpolicyness, allow_zero=True)
         check_positive("min_new_tokens", self.min_new_tokens, allow_zero=True)

@@ -236,6 +236,8 @@ class PPORun:
         return shard, stats
 
     def sync(self, version: int) -> dict:
+        if self.rollout_side is not None:  # rank 0, the sync's coordinator: no pause waits on them
+            self.syncer.stalled = self.loop.call(self.rollout_side.client.stalled_servers)
         stats = self.loop.run(self.syncer.push(version))
         out = {"sync/time_s": stats.total_s, "sync/bytes": float(stats.bytes)}
         if self.rollout_side is not None:

@@ -53,7 +53,9 @@ class RolloutSide:
             self.addresses = [s.address for s in self.servers]
         self.pool = RewardPool(cfg.reward)
         self.client = RolloutClient(ClientConfig(addresses=self.addresses, api_key=cfg.server.api_key,
-                                                 backend=cfg.server.backend))
+                                                 backend=cfg.server.backend,
+                                                 stall_after_s=cfg.rollout.stall_after_s,
+                                                 stall_probe_s=cfg.rollout.stall_probe_s))
         self.loop.run(self.client.start())
         self.decode = partial(tokenizer.decode, skip_special_tokens=True)
         self.controller = RolloutController(cfg.rollout, self.client, self.pool.ascore, self.decode)

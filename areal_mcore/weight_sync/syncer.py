@@ -137,6 +137,7 @@ class WeightSyncer:
         self.group_name: str | None = None  # this connection's group (stage heads)
         self._spec = None  # its GroupSpec (what the engine's bucket requests name)
         self._regroup = False  # a push failed: form fresh groups before the next one
+        self.stalled: list[str] = []  # servers the rollout side found stalled (the trainer sets it)
         self._device = next(actor.model.module.parameters()).device
         self._buffers = (ReusableBuffer(self._device), ReusableBuffer(self._device))
 
@@ -299,14 +300,15 @@ class WeightSyncer:
         return stats
 
     async def _drop_dead_servers(self) -> list[str]:
-        """Servers that no longer answer ``/health`` (a lost node, kill -9) leave the sync
+        """Servers that no longer answer ``/health`` (a lost node, kill -9), and those the
+        rollout side found stalled (``stalled``: a pause would wait on them), leave the sync
         for good and the push goes on to the others, in groups re-formed without them (the
         rollout side stopped sending them work when they refused a connection, and drops
         them too: back at the same address, they would serve old weights). The coordinator
         probes; every participating rank learns the verdict."""
         dead: list[str] = []
         if self.is_coordinator:
-            dead = await self.client.dead_servers()
+            dead = await self.client.dead_servers(known=self.stalled)
         group = self.g.mp if self.cfg.mode == "distributed" else None
         dead = sorted({a for part in await self._in_thread(collectives.all_gather_object, dead, group)
                        for a in part})
