@@ -476,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     from areal_mcore.accel import quiet_known_warnings
 
     quiet_known_warnings()  # before megatron-core is imported; the actor says it in one line
+    from areal_mcore.rollout.client import RolloutError
     try:
         return {"convert": run_convert, "filter": run_filter, "train": run_train,
                 "sft": run_train, "eval": run_eval, "launch": run_launch, "plan": run_plan,
@@ -483,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # user errors; anything else is a bug: traceback
         print(f"areal-mcore {a.command}: error: {e}", file=sys.stderr)
         return 2
+    except RolloutError as e:  # the servers failed (none healthy left): what, not where in our code
+        print(f"areal-mcore {a.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

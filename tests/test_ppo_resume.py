@@ -201,3 +201,28 @@ def test_a_run_goes_on_when_one_of_two_servers_stalls(tmp_path):
             os.kill(servers[1].proc.pid, signal.SIGCONT)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[-1]["sync/server_versions"] == [str(STEPS)] and took < 120, took
+
+
+def test_with_its_only_server_stalled_the_run_checkpoints_and_ends_naming_it(tmp_path):
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=32, n_test=4,
+                                                hidden_size=32, intermediate_size=64, num_layers=1))
+    with embedded_servers(assets["model"], str(tmp_path / "logs"), n=1) as (server,):
+        overrides = [*_overrides(assets, server.address, tmp_path), "trainer.save_freq=0",
+                     "rollout.stall_after_s=2", "rollout.stall_probe_s=1"]
+        stats = tmp_path / "resume" / "stats.jsonl"
+
+        def stop_after_one_step():
+            deadline = time.time() + 300
+            while not (stats.exists() and stats.read_text().strip()) and time.time() < deadline:
+                time.sleep(0.02)
+            os.kill(server.proc.pid, signal.SIGSTOP)
+
+        stopper = threading.Thread(target=stop_after_one_step, daemon=True)
+        stopper.start()
+        try:
+            with pytest.raises(AssertionError, match=rf"no healthy rollout server among \['{server.address}'\]"):
+                run_gloo(_ppo_worker, 1, overrides)
+        finally:
+            stopper.join()
+            os.kill(server.proc.pid, signal.SIGCONT)
+    assert (tmp_path / "resume" / "checkpoints" / "latest").read_text().strip() == "step_00000001"

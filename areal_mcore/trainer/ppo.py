@@ -32,6 +32,7 @@ from areal_mcore.algo.config import PPOConfig
 from areal_mcore.config import ExperimentConfig
 from areal_mcore.convert.hf_files import load_hf_state_dict
 from areal_mcore.convert.save_hf import save_hf
+from areal_mcore.rollout.client import RolloutError
 from areal_mcore.run_dir import RunDir
 from areal_mcore.trainer import stats as S
 from areal_mcore.trainer.batch import to_train_batch
@@ -194,12 +195,12 @@ class PPORun:
         signal interrupts the next rollout (which draws prompts, so the state moves on)."""
         self._resume_state = self.state_dict()
 
-    def save_interrupted(self, step: int) -> None:
-        """A signal came during step ``step + 1``'s rollout, which was abandoned: the actor
+    def save_interrupted(self, step: int, why: str = "a signal") -> None:
+        """Step ``step + 1``'s rollout was abandoned (a signal, or it failed): the actor
         still holds step ``step``'s weights, checkpointed here with the state that step
         ended with (unless it was saved already), so a resumed run redoes the rollout."""
         if self.rank == 0:
-            self.logger.print(f"[ppo] signal during the rollout of step {step + 1}: abandoned; "
+            self.logger.print(f"[ppo] {why} during the rollout of step {step + 1}: abandoned; "
                               f"checkpointing step {step} and exiting")
         if step and self.files.checkpoint_step() != step:
             self.checkpointer.save(self.actor, step=step, weight_version=step, extra=self._resume_state,
@@ -209,13 +210,15 @@ class PPORun:
     def rollout(self, step: int):
         """Rank 0 samples (sync) or collects (async) the batch; every rank returns its
         data-parallel replica's share as a ``RolloutShard`` (trainer/dispatch.py)."""
-        samples, stats, side, interrupted = None, None, self.rollout_side, False
+        samples, stats, side, interrupted, error = None, None, self.rollout_side, False, None
         if side is not None:
             self._in_rollout = not self._signalled
             try:
                 out = side.rollout() if self._in_rollout else None
             except concurrent.futures.CancelledError:  # _on_signal
                 out = None
+            except RolloutError as e:  # e.g. no healthy server left
+                out, error = None, str(e)
             finally:
                 self._in_rollout = False
             if out is None:
@@ -225,7 +228,11 @@ class PPORun:
                 self.logger.dump_rollouts(step + 1, out.samples, side.decode)
                 samples, stats = out.samples, out.stats
         # The other ranks wait here for rank 0's rollout (on the gloo control group).
-        if collectives.broadcast_object(interrupted, 0, self.control):
+        interrupted, error = collectives.broadcast_object((interrupted, error), 0, self.control)
+        if error:  # the last finished step is kept, then the run ends with the reason
+            self.save_interrupted(step, why=f"the rollout failed ({error})")
+            raise RolloutError(f"step {step + 1}'s rollout failed: {error}; step {step} is checkpointed")
+        if interrupted:
             return None
         packer = side.packer if side is not None else None
         shard, moved = self.dispatcher.dispatch(samples, self.cfg.rollout.n_samples, packer)
