@@ -248,8 +248,8 @@ class PPORun:
         stats = self.loop.run(self.syncer.push(version))
         out = {"sync/time_s": stats.total_s, "sync/bytes": float(stats.bytes)}
         if self.rollout_side is not None:
-            if stats.dropped_servers:  # dead: they get no more work either
-                self.rollout_side.client.drop(stats.dropped_servers)
+            if stats.dropped_servers:  # dead: they get no more work either (on the client's thread)
+                self.loop.call(self.rollout_side.client.drop, stats.dropped_servers)
             out["sync/server_versions"] = self.rollout_side.set_version(version)
         return out
 
