@@ -175,11 +175,12 @@ def test_a_trainer_still_running_near_the_time_limit_is_stopped_and_the_job_requ
     """A step longer than the warning (a boba step can take longer than 5 minutes) left
     the trainer running into the time limit: Slurm ended the job as TIMEOUT, which
     --requeue does not cover, and the run stopped for good. The launcher reads the job's
-    EndTime and, requeue_margin_s before it, stops the trainer and requeues the job itself.
-    Here the stop request and the margin coincide (80 s before a 2-minute limit), as with
-    a step that cannot end in time; USR2 would come only 1 s before the limit."""
+    EndTime, asks the trainer to stop stop_lead_s before it and, requeue_margin_s before
+    it, stops the trainer and requeues the job itself. Here step 2's rollout never ends
+    (the server's --stall-after fault), so the trainer cannot stop at a step's end; USR2
+    would come only 1 s before the 2-minute limit."""
     overrides = [*_overrides(assets, tmp_path, "margin", 100_000), "launch.stop_lead_s=80",
-                 "launch.requeue_margin_s=80"]
+                 "launch.requeue_margin_s=60", "server.extra_args=[--stall-after,4]"]  # step 1: 2 prompts x 2 samples
     submitted = time.monotonic()
     job = _sbatch(overrides, tmp_path, "--time=2", "--signal=B:USR2@1")
     run_dir, out = tmp_path / "margin", tmp_path / f"slurm-{job}.out"
@@ -195,8 +196,8 @@ def test_a_trainer_still_running_near_the_time_limit_is_stopped_and_the_job_requ
     finally:
         subprocess.run(["scancel", job], check=False)
     text = out.read_text()
-    # Requeued by the launcher ~80 s before the limit, not by the USR2 at 1 s (the old
-    # launcher's only trigger: 119+ s), and not ended by Slurm at 120 s.
+    # Requeued by the launcher ~60 s before the limit, not by the USR2 at 1 s (the old
+    # launcher's only trigger, which the stalled trainer would not have heeded anyway).
     assert requeued is not None and requeued < 90, (requeued, text[-3000:])
     assert "before the time limit: stopping it; the next try resumes from" in text, text[-3000:]
     assert "SIGUSR2" not in text and _status(run_dir)["restarts"] == 1
