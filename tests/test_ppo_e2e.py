@@ -137,22 +137,31 @@ def test_async_ppo_run_at_the_tiny_runs_load_stays_within_max_head_offpolicyness
         assert versions <= set(range(step - 1 - staleness, step)), (step, versions)
 
 
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_a_stop_file_checkpoints_and_exits_and_the_next_run_goes_on(tmp_path):
     assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=16, n_test=4,
                                                 hidden_size=32, intermediate_size=64, num_layers=1))
     overrides = _overrides(assets, tmp_path, "stop", "actor.optimizer.lr=1e-4", "rollout.max_new_tokens=8",
                            "rollout.n_samples=2", "server.context_length=256", "trainer.total_steps=3",
-                           "trainer.save_freq=3")  # and a checkpoint of the resumed run at its end
+                           "trainer.save_freq=3",  # and a checkpoint of the resumed run at its end
+                           f"eval_dataset.path={assets['test']}", "trainer.eval_freq=1")
     run_dir = tmp_path / "runs" / "stop"
     run_dir.mkdir(parents=True)
     (run_dir / "STOP").touch()  # e.g. the Slurm launcher on its time-limit signal
     (first,) = run_gloo(_ppo_worker, 1, overrides)
     assert [r["step"] for r in first] == [1] and not (run_dir / "STOP").exists()
+    # A stopping step is checkpointed right after its training: no weight sync, no eval
+    # (the resumed run syncs before it starts, and evaluates the step it stopped at).
+    assert "sync/time_s" not in first[0] and [e["step"] for e in _rows(run_dir / "eval.jsonl")] == [0]
     assert (run_dir / "checkpoints" / "latest").read_text().strip().endswith("1")
     assert not (run_dir / "hf").exists()  # not the last step: no export
     (second,) = run_gloo(_ppo_worker, 1, overrides)
-    assert [r["step"] for r in second] == [2, 3]
+    assert [r["step"] for r in second] == [2, 3] and all("sync/time_s" in r for r in second)
+    assert [e["step"] for e in _rows(run_dir / "eval.jsonl")] == [0, 1, 2, 3]
     export = run_dir / "hf" / "step_3"
     assert (export / "config.json").is_file() and not list(export.parent.glob(".*"))
     shutil.rmtree(export)  # as if killed during the final export (save_hf leaves none, never half)

@@ -3,17 +3,18 @@ losses equal those of an uninterrupted run (sync mode, bitwise on CPU)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import _tiers
 import psutil
 import pytest
 from _dist import _worker, rank_context, run_gloo
 from _rollout import embedded_servers
+from _tmpfs import fill, tmpfs
 
 from areal_mcore.config import load_config
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
@@ -49,6 +50,46 @@ def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE  # an orphan's zombie waits for init's wait()
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:  # gone, or a zombie
+        return ""
+
+
+def _tiny_assets(root):
+    return build_tiny_assets(TinyAssetsConfig(out_dir=str(root / "assets"), n_train=32, n_test=4,
+                                              hidden_size=32, intermediate_size=64, num_layers=1))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 1-layer model, one embedded server, and the uninterrupted run's rows that the
+    interrupted ones must reproduce bitwise (sampling seeds depend on the prompt group and
+    sample only, so a failed-over or resumed sample is drawn the same on any server)."""
+    root = tmp_path_factory.mktemp("tiny")
+    assets = _tiny_assets(root)
+    with embedded_servers(assets["model"], str(root / "logs")) as (server,):
+        (rows,) = run_gloo(_ppo_worker, 1, [*_overrides(assets, server.address, root / "ref"), "trainer.save_freq=0"])
+        yield SimpleNamespace(assets=assets, server=server, reference=rows)
+
+
+def _same_steps(rows, reference):
+    """Every row equals the uninterrupted run's row of its step, bitwise."""
+    by_step = {r["step"]: r for r in reference}
+    for row in rows:
+        ref = by_step[row["step"]]
+        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm"):
+            assert row[key] == ref[key], (row["step"], key, row[key], ref[key])
+
+
 @pytest.mark.slow
 def test_killed_run_resumes_with_the_same_rewards_and_losses(tmp_path):
     assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=64, n_test=8,
@@ -76,12 +117,19 @@ def test_killed_run_resumes_with_the_same_rewards_and_losses(tmp_path):
         while not (stats.exists() and len(stats.read_text().splitlines()) >= 2):
             assert time.time() < deadline and all(p.exitcode is None for p in procs)
             time.sleep(0.05)
-        for p in procs:  # with their children (reward workers, multiprocessing managers)
-            family = [p.pid] + [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
-            for pid in family:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        # kill -9 of the ranks alone: what they started (reward workers, megatron's
+        # checkpoint-writer manager and the resource tracker) must go with them.
+        family = {c: _cmdline(c) for p in procs for c in psutil.Process(p.pid).children(recursive=True)}
+        for p in procs:
+            p.kill()
             p.join()
+        killed = time.monotonic()
+        assert any("spawn_main" in line for line in family.values()), family
+        while (alive := [c for c in family if _alive(c)]) and time.monotonic() < killed + 10:
+            time.sleep(0.1)
+        for c in alive:
+            c.kill()
+        assert not alive, [family[c] for c in alive]
         killed_at = len(_rows(stats))
         assert killed_at < STEPS
 
@@ -109,14 +157,12 @@ def test_killed_run_resumes_with_the_same_rewards_and_losses(tmp_path):
     assert [e.value for e in events] == pytest.approx([r["rollout/reward_mean"] for r in reference])
 
 
-def test_a_run_goes_on_when_one_of_two_servers_dies(tmp_path):
+def test_a_run_goes_on_when_one_of_two_servers_dies(tiny, tmp_path):
     """kill -9 of one of two servers after step 2: generation fails over to the survivor,
     and the next weight sync drops the dead one (it raised WeightSyncError and the run
     ended) and goes on to the survivor alone."""
-    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=32, n_test=4,
-                                                hidden_size=32, intermediate_size=64, num_layers=1))
-    with embedded_servers(assets["model"], str(tmp_path / "logs"), n=2) as servers:
-        overrides = [*_overrides(assets, f"{servers[0].address},{servers[1].address}", tmp_path),
+    with embedded_servers(tiny.assets["model"], str(tmp_path / "logs"), n=2) as servers:
+        overrides = [*_overrides(tiny.assets, f"{servers[0].address},{servers[1].address}", tmp_path),
                      "trainer.save_freq=0"]
         stats = tmp_path / "resume" / "stats.jsonl"
 
@@ -133,22 +179,20 @@ def test_a_run_goes_on_when_one_of_two_servers_dies(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[0]["sync/server_versions"] == ["1", "1"]
     assert rows[-1]["sync/server_versions"] == [str(STEPS)]  # the survivor, at every step's weights
+    _same_steps(rows, tiny.reference)
 
 
-def test_sigterm_mid_rollout_checkpoints_the_last_step_at_once_and_the_run_resumes(tmp_path):
+def test_sigterm_mid_rollout_checkpoints_the_last_step_at_once_and_the_run_resumes_exactly(tiny, tmp_path):
     """Slurm's scancel or preemption sends SIGTERM and SIGKILL KillWait (30 s) later. The
     signal was acted on only at the end of the step, so a rollout of minutes (here: one
     that never ends, the server stalled) was killed without a checkpoint. Now the rollout
-    is abandoned and the last finished step checkpointed at once."""
-    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=32, n_test=4,
-                                                hidden_size=32, intermediate_size=64, num_layers=1))
+    is abandoned and the last finished step checkpointed at once; the resumed run's steps
+    are the uninterrupted run's."""
     stats = tmp_path / "resume" / "stats.jsonl"
-    with contextlib.ExitStack() as stack:
-        # Step 1 asks 2 prompts x 4 samples; every generate request after those stalls.
-        stalled = stack.enter_context(embedded_servers(assets["model"], str(tmp_path / "a"), n=1,
-                                                       extra_args=["--stall-after", "8"]))[0]
-        good = stack.enter_context(embedded_servers(assets["model"], str(tmp_path / "b"), n=1))[0]
-        overrides = [*_overrides(assets, stalled.address, tmp_path), "trainer.save_freq=0"]
+    # Step 1 asks 2 prompts x 4 samples; every generate request after those stalls.
+    with embedded_servers(tiny.assets["model"], str(tmp_path / "a"), n=1,
+                          extra_args=["--stall-after", "8"]) as (stalled,):
+        overrides = [*_overrides(tiny.assets, stalled.address, tmp_path), "trainer.save_freq=0"]
         ctx, port = rank_context(), free_port()
         queue = ctx.Queue()
         proc = ctx.Process(target=_worker, args=(0, 1, port, _ppo_worker, (overrides,), queue,
@@ -164,23 +208,53 @@ def test_sigterm_mid_rollout_checkpoints_the_last_step_at_once_and_the_run_resum
         queue.get(timeout=60)  # the run returned
         proc.join(30)
         took = time.monotonic() - signalled
-        print(f"SIGTERM mid-rollout: checkpointed and exited after {took:.1f} s")
-        assert proc.exitcode == 0 and took < 20, (proc.exitcode, took)
-        assert (tmp_path / "resume" / "checkpoints" / "latest").read_text().strip() == "step_00000001"
-        (rows,) = run_gloo(_ppo_worker, 1, [*_overrides(assets, good.address, tmp_path), "trainer.save_freq=0"])
+    print(f"SIGTERM mid-rollout: checkpointed and exited after {took:.1f} s")
+    assert proc.exitcode == 0 and took < 20, (proc.exitcode, took)
+    assert (tmp_path / "resume" / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    (rows,) = run_gloo(_ppo_worker, 1, [*_overrides(tiny.assets, tiny.server.address, tmp_path),
+                                        "trainer.save_freq=0"])
     assert [r["step"] for r in rows] == [2, 3, 4]  # from the checkpoint of step 1
     assert [r["step"] for r in _rows(stats)] == [1, 2, 3, 4]
+    _same_steps(_rows(stats), tiny.reference)
 
 
-def test_a_run_goes_on_when_one_of_two_servers_stalls(tmp_path):
+def test_a_full_disk_ends_the_run_naming_the_file_and_once_freed_the_run_resumes_exactly(tiny, tmp_path):
+    """The run directory's disk fills up after step 1's checkpoint: the run ends with
+    ENOSPC naming what it was writing; with space freed it resumes from that checkpoint
+    (a cut stats.jsonl line used to make every later resume fail on a JSON error)."""
+    with tmpfs(tmp_path / "disk", "64m") as disk:
+        overrides = _overrides(tiny.assets, tiny.server.address, disk)  # a checkpoint every step
+        run = disk / "resume"
+        ballast = []
+
+        def fill_after_step_one():
+            deadline = time.time() + 300
+            while not (run / "checkpoints" / "latest").exists() and time.time() < deadline:
+                time.sleep(0.005)
+            ballast.append(fill(disk))
+
+        filler = threading.Thread(target=fill_after_step_one, daemon=True)
+        filler.start()
+        with pytest.raises(AssertionError, match="No space left on device") as failed:
+            run_gloo(_ppo_worker, 1, overrides)
+        filler.join()
+        print(str(failed.value)[-600:])
+        assert f"{run}/" in str(failed.value)  # the file it was writing
+        assert not list((run / "checkpoints").glob(".step_*.tmp"))
+        ballast[0].unlink()
+        (rows,) = run_gloo(_ppo_worker, 1, overrides)
+        assert 1 < rows[0]["step"]  # resumed from a checkpoint
+        assert [r["step"] for r in _rows(run / "stats.jsonl")] == [1, 2, 3, 4]
+        _same_steps(_rows(run / "stats.jsonl"), tiny.reference)
+
+
+def test_a_run_goes_on_when_one_of_two_servers_stalls(tiny, tmp_path):
     """SIGSTOP of one of two servers after step 1 (a hung engine: its connections stay
     open, nothing answers): requests waited there for rollout.request_timeout_s (an
     hour) and the next sync's pause for ever. Now they go to the other server once it
     answered nothing for stall_after_s and /health neither, and the sync drops it."""
-    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=32, n_test=4,
-                                                hidden_size=32, intermediate_size=64, num_layers=1))
-    with embedded_servers(assets["model"], str(tmp_path / "logs"), n=2) as servers:
-        overrides = [*_overrides(assets, f"{servers[0].address},{servers[1].address}", tmp_path),
+    with embedded_servers(tiny.assets["model"], str(tmp_path / "logs"), n=2) as servers:
+        overrides = [*_overrides(tiny.assets, f"{servers[0].address},{servers[1].address}", tmp_path),
                      "trainer.save_freq=0", "rollout.stall_after_s=2", "rollout.stall_probe_s=1"]
         stats = tmp_path / "resume" / "stats.jsonl"
 
@@ -201,13 +275,12 @@ def test_a_run_goes_on_when_one_of_two_servers_stalls(tmp_path):
             os.kill(servers[1].proc.pid, signal.SIGCONT)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[-1]["sync/server_versions"] == [str(STEPS)] and took < 120, took
+    _same_steps(rows, tiny.reference)
 
 
-def test_with_its_only_server_stalled_the_run_checkpoints_and_ends_naming_it(tmp_path):
-    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=32, n_test=4,
-                                                hidden_size=32, intermediate_size=64, num_layers=1))
-    with embedded_servers(assets["model"], str(tmp_path / "logs"), n=1) as (server,):
-        overrides = [*_overrides(assets, server.address, tmp_path), "trainer.save_freq=0",
+def test_with_its_only_server_stalled_the_run_checkpoints_and_ends_naming_it(tiny, tmp_path):
+    with embedded_servers(tiny.assets["model"], str(tmp_path / "logs"), n=1) as (server,):
+        overrides = [*_overrides(tiny.assets, server.address, tmp_path), "trainer.save_freq=0",
                      "rollout.stall_after_s=2", "rollout.stall_probe_s=1"]
         stats = tmp_path / "resume" / "stats.jsonl"
 

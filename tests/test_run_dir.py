@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _tmpfs import fill, tmpfs
 
 from areal_mcore.run_dir import RunDir, Status, checkpoint_name, checkpoint_step, point_latest_at
 
@@ -67,23 +68,14 @@ def test_a_torn_last_line_is_dropped_and_a_damaged_one_is_named(tmp_path, capsys
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 256 KiB tmpfs: a real ENOSPC (root only; mount(2) needs CAP_SYS_ADMIN)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(tmp_path / "disk", "256k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_full_disk_leaves_no_torn_line_and_the_error_names_the_file(small_disk):
     run = RunDir(small_disk)
     run.append_stats({"step": 1})
-    ballast, disk = small_disk / "ballast", os.statvfs(small_disk)
-    ballast.write_bytes(b"\0" * (disk.f_bavail * disk.f_frsize - 2 * 4096))  # two pages left
+    ballast = fill(small_disk, leave=2 * 4096)  # two pages left
     with pytest.raises(OSError, match=f"while appending to {run.stats}") as e:
         run.append_stats({"step": 2, "blob": "x" * 20_000})  # a row larger than what is free
     assert e.value.errno == errno.ENOSPC

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from areal_mcore.checks import check_positive
+from areal_mcore.procs import die_with_parent
 
 
 @dataclass(kw_only=True)
@@ -39,6 +40,7 @@ class _Worker:
         limits = (cfg.memory_mb << 20, cfg.cpu_s)
 
         def restrict():  # runs in the child before exec
+            die_with_parent()  # not only stdin's EOF: a long math-verify call ends too
             resource.setrlimit(resource.RLIMIT_AS, (limits[0], limits[0]))
             resource.setrlimit(resource.RLIMIT_CPU, (limits[1], limits[1] + 5))
 

@@ -282,7 +282,9 @@ class RolloutClient:
         """Probes ``/health`` on every server and marks each healthy or not."""
         async def probe(s: _Server) -> bool:
             try:
-                await self._request(s, "GET", "/health", timeout=10, parse=False)
+                # Within the stall probe's budget: with no healthy server left, generate's
+                # last try waits on this twice before it gives up.
+                await self._request(s, "GET", "/health", timeout=min(10.0, self.cfg.stall_probe_s), parse=False)
                 s.healthy, s.stalled = True, False
             except RolloutError:
                 s.healthy = False
@@ -342,9 +344,10 @@ class RolloutClient:
     async def all(self, method: str, path: str, body: dict | None = None, *,
                   servers: list[_Server] | None = None, timeout: float = 600.0,
                   fail_fast: bool = False) -> list:
-        """The same call on every server, concurrently; every failure is reported
-        (``fail_fast``: those up to the first, see ``each``)."""
-        servers = self.servers if servers is None else servers
+        """The same call on every server (by default those not found stalled: they answer
+        nothing, and waiting on them is what the watchdog is for), concurrently; every
+        failure is reported (``fail_fast``: those up to the first, see ``each``)."""
+        servers = [s for s in self.servers if not s.stalled] if servers is None else servers
         return await self.each(servers, [self._request(s, method, path, body, timeout=timeout,
                                                        close=True) for s in servers],
                                fail_fast=fail_fast)

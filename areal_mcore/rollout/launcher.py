@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 from areal_mcore.checks import check_choice, check_positive, field_error
 from areal_mcore.net import free_port, healthy, set_nccl_env
+from areal_mcore.procs import die_with_parent
 from areal_mcore.rollout.engines import BACKENDS, engine_for
 
 TRANSFER_BACKENDS = ("auto", "areal_gloo", "nccl")
@@ -94,15 +94,6 @@ def server_command(cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
     return engine_for(cfg.backend).command(cfg, port=port, seed=seed)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launching thread's process dies, so a
-    trainer killed with SIGKILL leaves no server behind (its own session would keep it)."""
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class ServerProcess:
     """One server subprocess in its own session (so stop() takes its children too)."""
 
@@ -112,7 +103,7 @@ class ServerProcess:
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=env, preexec_fn=_die_with_parent)
+                                     start_new_session=True, env=env, preexec_fn=die_with_parent)
 
     @property
     def address(self) -> str:

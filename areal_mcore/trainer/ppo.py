@@ -82,12 +82,16 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                 train_stats = run.actor.train_batch(batch, partial(ppo_loss, ppo, step), ppo.ppo_n_minibatches,
                                                     reduce_stats=reduce_ppo_stats, temperature=temperature,
                                                     step=step + 1)
-            with phase("sync"):
-                sync_stats = run.sync(version=step + 1)
-            with phase("eval"):
-                run.evaluate(step=step + 1)
+            # <run>/STOP, SIGUSR2 or SIGTERM: the step is checkpointed at once, without its
+            # weight sync and eval (a resumed run syncs first, and evaluates a step it skipped).
+            stop = run.stop_requested(step + 1)
+            sync_stats = {}
+            if not stop:
+                with phase("sync"):
+                    sync_stats = run.sync(version=step + 1)
+                with phase("eval"):
+                    run.evaluate(step=step + 1)
             run.log(step + 1, batch, rollout_stats, train_stats, sync_stats)
-            stop = run.stop_requested()  # <run>/STOP, SIGUSR2 or SIGTERM: checkpoint and leave
             with phase("save"):  # reported with the next step
                 run.maybe_save(step + 1, force=stop)
             run.remember_state()
@@ -95,7 +99,11 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                 break
         run.export_if_missing()
     except BaseException:
-        run.close(barrier=False)  # the other ranks may be gone: no collective
+        try:
+            run.close(barrier=False)  # the other ranks may be gone: no collective
+        except Exception as e:  # noqa: BLE001 - the error that ended the run is the one to raise
+            print(f"[ppo] rank {run.rank}: stopping after the error below failed too: {type(e).__name__}: {e}",
+                  flush=True)
         raise
     run.close()
     return run.history
@@ -212,15 +220,10 @@ class PPORun:
         data-parallel replica's share as a ``RolloutShard`` (trainer/dispatch.py)."""
         samples, stats, side, interrupted, error = None, None, self.rollout_side, False, None
         if side is not None:
-            self._in_rollout = not self._signalled
             try:
-                out = side.rollout() if self._in_rollout else None
-            except concurrent.futures.CancelledError:  # _on_signal
-                out = None
+                out = self._interruptible(side.rollout)
             except RolloutError as e:  # e.g. no healthy server left
                 out, error = None, str(e)
-            finally:
-                self._in_rollout = False
             if out is None:
                 interrupted = True
                 side.abort_all()  # the servers stop generating what nobody waits for
@@ -259,8 +262,10 @@ class PPORun:
         freq, last = self.cfg.trainer.eval_freq, step == self.cfg.trainer.total_steps
         if self.rollout_side is None or not freq or not (step % freq == 0 or last):
             return
-        row = self.rollout_side.evaluate()
-        if row is None:  # no eval_dataset
+        row = self._interruptible(self.rollout_side.evaluate)
+        if row is None:  # no eval_dataset, or a signal abandoned it (a resumed run evaluates)
+            if self._signalled:
+                self.rollout_side.abort_all()
             return
         row = {"step": step, **row}
         self.logger.eval(row)
@@ -268,20 +273,34 @@ class PPORun:
                            f"{len(self.rollout_side.eval_prompts)} held-out problems x "
                            f"{self.cfg.rollout.n_samples} samples")
 
-    def stop_requested(self) -> bool:
-        """Whether any rank was signalled or rank 0 sees ``<run>/STOP`` (removed once seen,
-        so the requeued run goes on)."""
+    def stop_requested(self, step: int) -> bool:
+        """After step ``step``'s training: whether any rank was signalled or rank 0 sees
+        ``<run>/STOP`` (removed once seen, so the requeued run goes on)."""
         flag = self._signalled or (self.rank == 0 and self.files.take_stop())
         flags = collectives.all_gather_object(flag, dist.group.WORLD)
         if any(flags) and self.rank == 0:
-            self.logger.print("[ppo] stop requested: checkpointing and exiting (resume continues from here)")
+            train_s = self.phases.times.get("train", 0.0)
+            self.logger.print(f"[ppo] stop requested: checkpointing step {step} (trained in {train_s:.1f} s; "
+                              "weight sync and eval skipped) and exiting; a resumed run continues from here")
         return any(flags)
+
+    def _interruptible(self, fn):
+        """Rank 0's ``fn()`` (a rollout or an eval: minutes, on servers), abandoned when a
+        signal comes (``_on_signal``): returns None then, or at once if one came before."""
+        self._in_rollout = not self._signalled
+        try:
+            return fn() if self._in_rollout else None
+        except concurrent.futures.CancelledError:
+            return None
+        finally:
+            self._in_rollout = False
 
     def _on_signal(self, signum, frame) -> None:
         """SIGTERM (scancel, preemption: SIGKILL follows after KillWait), SIGUSR2 (the time
-        limit) and SIGINT: a rollout in progress is abandoned at once (rank 0) and the last
-        finished step checkpointed; otherwise the step finishes and is checkpointed. A
-        second Ctrl-C interrupts for good."""
+        limit) and SIGINT: a rollout or eval in progress is abandoned at once (rank 0) and
+        the last finished step checkpointed; in the train phase the step's training
+        finishes (its optimizer steps cannot be undone) and is checkpointed without its
+        sync and eval. A second Ctrl-C interrupts for good."""
         if signum == signal.SIGINT and self._signalled:
             raise KeyboardInterrupt
         self._signalled = True
@@ -341,6 +360,8 @@ class PPORun:
     def close(self, barrier: bool = True) -> None:
         # The syncer first: its update groups are torn down on servers that are still up.
         if self.syncer is not None:
+            if self.rollout_side is not None and self.rollout_side.client is not None:
+                self.syncer.stalled = self.loop.call(self.rollout_side.client.stalled_servers)
             self.loop.run(self.syncer.close())
         if self.rollout_side is not None:
             self.rollout_side.close()
@@ -349,9 +370,11 @@ class PPORun:
             self.phases.close()
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
-        plot = self.logger.close() if self.logger is not None else None
-        if self._lock is not None:
-            self._lock.close()
+        try:
+            plot = self.logger.close() if self.logger is not None else None
+        finally:
+            if self._lock is not None:
+                self._lock.close()
         if not barrier:
             return
         collectives.barrier(dist.group.WORLD)

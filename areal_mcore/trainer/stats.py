@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from contextlib import contextmanager
@@ -158,7 +159,8 @@ class RunLogger:
         line = (f"[ppo] step {r['step']}/{self.cfg.total_steps} reward {r['rollout/reward_mean']:.3f} "
                 f"acc {r['rollout/accuracy']:.3f} len {r['rollout/response_len_mean']:.1f} "
                 f"loss {_scalar(r['train/loss']):+.4f} stale {r['rollout/staleness_mean']:.2f} "
-                f"sync {r['sync/time_s']:.2f}s step {r['time/step_s']:.1f}s")
+                + (f"sync {r['sync/time_s']:.2f}s " if "sync/time_s" in r else "sync skipped (stopping) ")
+                + f"step {r['time/step_s']:.1f}s")
         self.print(line)
         if self.bar is not None:
             self.bar.update(1)
@@ -174,9 +176,16 @@ class RunLogger:
             self.wandb.log(row["step"], scalars)
         if self.writer is None:
             return
-        for key, x in scalars.items():
-            self.writer.add_scalar(key, x, global_step=row["step"])
-        self.writer.flush()
+        try:
+            for key, x in scalars.items():
+                self.writer.add_scalar(key, x, global_step=row["step"])
+            self.writer.flush()
+        except OSError as e:  # raised by TensorBoard's writer thread, naming no file
+            writer, self.writer = self.writer, None  # broken: close() must not raise it again
+            with contextlib.suppress(OSError):
+                writer.close()
+            where = self.run_dir / "tensorboard"
+            raise OSError(e.errno, f"{e.strerror} while writing TensorBoard events in {where}", str(where)) from e
 
     def print(self, line: str) -> None:
         if self.bar is not None:
@@ -206,7 +215,11 @@ class RunLogger:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
-        plot = plot_curves(self.run_dir)
+        try:
+            plot = plot_curves(self.run_dir)
+        except OSError as e:  # a full disk: the curves are a convenience, stats.jsonl has the rows
+            print(f"[ppo] curves.png not drawn: {e}", flush=True)
+            plot = None
         if self.wandb is not None:
             if plot is not None:
                 self.wandb.image("curves", plot)

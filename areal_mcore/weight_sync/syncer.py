@@ -269,6 +269,7 @@ class WeightSyncer:
 
     async def close(self) -> None:
         if self.client is not None:
+            self.client.drop(self.stalled)  # they would not answer the destroy
             await self._destroy_group()
             await self.client.close()
 
