@@ -54,6 +54,52 @@ def test_kill_9_one_of_two_servers_mid_batch_loses_and_duplicates_nothing(tmp_pa
     assert healthy == [False, True]
 
 
+@pytest.mark.server
+def test_a_request_on_a_slow_server_is_retried_elsewhere_past_its_measured_deadline(tmp_path):
+    """A slow server still answers /health, so the stall watchdog keeps it; its requests
+    took as long as it did (request_timeout_s: an hour). Once 16 attempts are measured,
+    an attempt gets its tokens' time at a third of the median rate: on the slow server
+    (0.25 s a decode step, 5 s a request) it times out and goes to the other."""
+    import contextlib
+    import time
+
+    model = tiny_hf_dir(str(tmp_path), seed=4)
+    new_tokens = 20
+
+    async def run(fast, slow):
+        cfg = ClientConfig(addresses=[fast.address, slow.address], retry_delay_s=0.05, slow_factor=3,
+                           min_deadline_s=0.5)
+        async with RolloutClient(cfg) as client:
+            done: dict = {}
+
+            async def one(rid, group, seed):
+                c = await client.generate([11, 12, 13 + seed % 7], SamplingParams(
+                    max_new_tokens=new_tokens, ignore_eos=True, sampling_seed=seed), rid=rid, group=group)
+                done[rid] = (c, time.monotonic())
+                return c
+
+            first = [asyncio.ensure_future(one(f"a{i}", f"g{i}", i)) for i in range(32)]
+            while len(done) < 16:  # the fast server's half: the rates to measure against
+                await asyncio.sleep(0.01)
+            assert client.deadline(new_tokens) < 5, client.deadline(new_tokens)
+            on_slow = [f"g{i}" for i in range(32) if f"a{i}" not in done]
+            # Pinned to the slow server by their group (prefix affinity), which is healthy.
+            second = [asyncio.ensure_future(one(f"b{g}", g, 100 + k)) for k, g in enumerate(on_slow)]
+            await asyncio.gather(*first, *second)
+            return done, on_slow
+
+    with contextlib.ExitStack() as stack:
+        fast = stack.enter_context(embedded_servers(model, str(tmp_path / "a"), grace_s=1))[0]
+        slow = stack.enter_context(embedded_servers(model, str(tmp_path / "b"), grace_s=1,
+                                                    extra_args=["--step-delay-s", "0.25"]))[0]
+        done, on_slow = asyncio.run(run(fast, slow))
+    assert len(on_slow) >= 8  # least-loaded placement split the first batch
+    moved = [done[f"b{g}"][0] for g in on_slow]
+    assert all(c.attempts == 1 and len(c.output_ids) == new_tokens for c in moved)
+    # ... and they finished before the slow server's own (5 s, in flight all along).
+    assert max(done[f"b{g}"][1] for g in on_slow) < max(done[f"a{g[1:]}"][1] for g in on_slow)
+
+
 def _stand_in(behaviour: str, log: list):
     """A server that is slow (sleeps past the client timeout), stuck (slow, and its abort
     hangs too), broken (HTTP 503) or fine."""

@@ -20,9 +20,10 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import statistics
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -50,6 +51,8 @@ class ClientConfig:
     backend: str = "sglang"  # the servers' engine (rollout.server.backend)
     stall_after_s: float = 300.0  # rollout.stall_after_s (see RolloutConfig)
     stall_probe_s: float = 30.0
+    slow_factor: float = 10.0  # rollout.slow_request_factor (see RolloutConfig); 0: off
+    min_deadline_s: float = 60.0  # rollout.min_request_deadline_s
 
     def __post_init__(self):
         engine_for(self.backend)  # raises ValueError naming the engines
@@ -107,6 +110,7 @@ class RolloutClient:
         self._session: aiohttp.ClientSession | None = None
         # group key -> the server its first sample went to (most recent groups only)
         self._affinity: OrderedDict[str, str] = OrderedDict()
+        self._rates: deque[float] = deque(maxlen=256)  # tokens/s of recent finished attempts
 
     async def __aenter__(self) -> RolloutClient:
         await self.start()
@@ -165,8 +169,9 @@ class RolloutClient:
                 server.last_answer = time.monotonic()
             server.in_flight += 1
             self._wire[c.rid] = (server, f"{c.rid}.{wire}")
+            sent = time.monotonic()
             attempt = asyncio.ensure_future(self._request(
-                server, "POST", path, body, timeout=self.cfg.request_timeout_s, retryable=True,
+                server, "POST", path, body, timeout=self.deadline(remaining), retryable=True,
                 wire_rid=f"{c.rid}.{wire}"))
             server.attempts.add(attempt)
             try:
@@ -192,6 +197,8 @@ class RolloutClient:
                 server.attempts.discard(attempt)
                 self._wire.pop(c.rid, None)
             chunk = self.engine.parse_generate(server, out, remaining)
+            if chunk.output_ids and chunk.finish_reason["type"] != "abort":
+                self._rates.append(len(chunk.output_ids) / max(time.monotonic() - sent, 1e-3))
             c.output_ids += chunk.output_ids
             c.logprobs += chunk.logprobs
             c.versions += chunk.versions
@@ -202,6 +209,16 @@ class RolloutClient:
             self._cancelled.discard(c.rid)
             return c
         raise AssertionError("unreachable")
+
+    def deadline(self, tokens: int) -> float:
+        """How long an attempt to generate up to ``tokens`` may take before it is retried
+        elsewhere (a timeout: ``_request`` aborts it there): ``tokens`` at the floor rate,
+        1/slow_factor of the median rate of the last attempts (queueing and prefill
+        included), at least min_deadline_s; request_timeout_s until 16 are measured."""
+        if not self.cfg.slow_factor or len(self._rates) < 16:
+            return self.cfg.request_timeout_s
+        floor = statistics.median(self._rates) / self.cfg.slow_factor
+        return min(self.cfg.request_timeout_s, max(self.cfg.min_deadline_s, tokens / floor))
 
     async def _choose(self, failed: set[str], group: str | None = None) -> _Server:
         """The group's server if it has one that is healthy and untried, else the healthy

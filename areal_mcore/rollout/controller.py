@@ -49,8 +49,17 @@ class RolloutConfig:
     # sync drops it. A healthy SGLang answers /health within its own 20 s check.
     stall_after_s: float = 300.0
     stall_probe_s: float = 30.0
+    # A slow server (it answers, at a crawl: a degraded GPU, a throttled node): a request
+    # whose attempt takes longer than its remaining tokens at 1/slow_request_factor of
+    # the fleet's median measured rate (and min_request_deadline_s) is retried on another
+    # server. 0: off (request_timeout_s only). With weight_sync.pause_mode retract or
+    # in_place requests wait out a sync: min_request_deadline_s must exceed a sync.
+    slow_request_factor: float = 10.0
+    min_request_deadline_s: float = 60.0
 
     def __post_init__(self):
+        check_positive("slow_request_factor", self.slow_request_factor, allow_zero=True)
+        check_positive("min_request_deadline_s", self.min_request_deadline_s)
         check_positive("n_samples", self.n_samples)
         check_positive("stall_after_s", self.stall_after_s)
         check_positive("stall_probe_s", self.stall_probe_s)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -78,8 +79,11 @@ class DecodeEngine:
     """Batched sampling with a KV cache; thread-safe ``submit``/``abort``/``pause``/``call``."""
 
     def __init__(self, model, *, eos_token_ids: list[int], context_length: int,
-                 max_running_requests: int = 64, seed: int = 0, weight_version: str = "default"):
+                 max_running_requests: int = 64, seed: int = 0, weight_version: str = "default",
+                 step_delay_s: float = 0.0):
+        """``step_delay_s``: fault injection (a slow engine), a sleep after each decode step."""
         self.model = model
+        self.step_delay_s = step_delay_s
         # transformers >= 5.2x renamed ``past_key_values`` to ``cache``.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -227,6 +231,8 @@ class DecodeEngine:
                     self._prefill(joining)
                 elif self._running and not self.paused:
                     self._decode_step()
+                    if self.step_delay_s:
+                        time.sleep(self.step_delay_s)
 
     def _has_aborts(self) -> bool:
         return any(r.abort_message for r in self._live())

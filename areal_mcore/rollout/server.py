@@ -17,6 +17,7 @@ does in SGLang; ``--die-at-update N`` SIGKILLs the server when the N-th arrives 
 lost mid-update, before that bucket's broadcast); ``--refuse-update N`` answers the N-th
 with a refusal before its receive (as a request that fails validation is);
 ``--stall-after N`` never answers the generate requests after the N-th (a stalled engine);
+``--step-delay-s S`` sleeps S after every decode step (a slow engine that still answers);
 ``--refuse-group-init`` refuses every
 update-group init at once; ``--delay-group-init SUBSTR=SECONDS`` holds init calls whose group name
 contains SUBSTR before they queue (to force an arrival order between servers).
@@ -65,6 +66,7 @@ class ServerArgs:
     refuse_group_init: bool = False  # fault injection
     delay_group_init: str | None = None  # fault injection: "SUBSTR=SECONDS"
     stall_after: int = 0  # fault injection: generate requests after the N-th never start; 0: off
+    step_delay_s: float = 0.0  # fault injection: a sleep after each decode step; 0: off
 
     def __post_init__(self):
         if self.dtype not in W.DTYPES:
@@ -486,7 +488,7 @@ async def serve(args: ServerArgs) -> None:
     context = args.context_length or getattr(model.config, "max_position_embeddings", 32768)
     engine = DecodeEngine(model, eos_token_ids=eos_ids(model), context_length=context,
                           max_running_requests=args.max_running_requests, seed=args.random_seed,
-                          weight_version=args.weight_version)
+                          weight_version=args.weight_version, step_delay_s=args.step_delay_s)
     runner = web.AppRunner(build_app(args, engine, model), handler_cancellation=True,
                            access_log=None)
     await runner.setup()
@@ -518,6 +520,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    help="fault injection: SIGKILL at the N-th update_weights_from_distributed")
     p.add_argument("--stall-after", type=int, default=0,
                    help="fault injection: generate requests after the N-th are never answered")
+    p.add_argument("--step-delay-s", type=float, default=0.0,
+                   help="fault injection: sleep this long after every decode step (a slow engine)")
     p.add_argument("--refuse-update", type=int, default=0,
                    help="fault injection: refuse the N-th update_weights_from_distributed "
                         "before its receive")

@@ -55,7 +55,9 @@ class RolloutSide:
         self.client = RolloutClient(ClientConfig(addresses=self.addresses, api_key=cfg.server.api_key,
                                                  backend=cfg.server.backend,
                                                  stall_after_s=cfg.rollout.stall_after_s,
-                                                 stall_probe_s=cfg.rollout.stall_probe_s))
+                                                 stall_probe_s=cfg.rollout.stall_probe_s,
+                                                 slow_factor=cfg.rollout.slow_request_factor,
+                                                 min_deadline_s=cfg.rollout.min_request_deadline_s))
         self.loop.run(self.client.start())
         self.decode = partial(tokenizer.decode, skip_special_tokens=True)
         self.controller = RolloutController(cfg.rollout, self.client, self.pool.ascore, self.decode)
