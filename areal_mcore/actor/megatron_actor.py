@@ -280,72 +280,101 @@ class MegatronActor:
         t0 = time.perf_counter()
         self.model.train()
         result = {"loss": [], "grad_norm": [], "n_micro_batches": [], "micro_stats": []}
-        splits = [ids.tolist() for ids in np.array_split(np.arange(batch.num_seqs), n_minibatches)]
-        minibatches = batch.select_many([ids for ids in splits if ids])
-        minibatches = [minibatches.pop(0) if ids else None for ids in splits]
+        minibatches = _minibatches(batch, n_minibatches)
         for k, sub in enumerate(minibatches):
-            # One all-reduce gives the global loss-token count and the minibatch's sequence
-            # count, which bounds the micro-batch count any rank can ask for.
-            counts = torch.tensor([0.0 if sub is None else float(sub.fields["loss_mask"].sum()),
-                                   0.0 if sub is None else float(sub.num_seqs)], device=self.device)
-            collectives.all_reduce(counts, g.dp)
-            tokens = counts[0].clamp(min=1.0)  # a minibatch without loss tokens: 0, not 0/0
-            if sub is None:
-                sub = _placeholder(batch, max(int(counts[1]), 1))
-            sub = self._tp_aligned(sub)
-            lens = sub.seqlens_padded
-            bins = allocate_micro_batches_synced(lens, self.cfg.mb_spec.max_tokens_per_mb, group=g.dp,
-                                                 min_mbs=min(g.pp_size, len(lens)))
-            micro = sub.select_many(bins)
-            n_mb = len(micro)
-
-            def loss_func(mb, logits, n_mb=n_mb, tokens=tokens):
-                logp = self._logprobs(mb, logits, temperature=temperature)
-                loss, stats = loss_fn(logp, mb, tokens)
-                stats = {**stats, "loss": loss.detach().clone()}
-                # megatron divides each micro-batch loss by num_microbatches (schedules.py,
-                # forward_step) and DDP averages grads over DP (gradient_scaling_factor =
-                # 1/dp); our loss is already normalised by the global token count, so
-                # both divisions are undone here to keep the sum an exact token mean.
-                return loss * n_mb * g.dp_size, stats
-
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            outputs = self._run(micro, loss_func, forward_only=False)
-            loss = torch.zeros((), device=self.device)
+            micro, tokens = self._plan_minibatch(sub, batch)
+            loss, outputs = self._forward_backward(micro, loss_fn, tokens, temperature)
             if g.is_last_stage:
-                loss = sum(o["loss"] for o in outputs).float()
                 result["micro_stats"].extend(outputs)
-            collectives.all_reduce(loss, g.dp)
-            if g.pp_size > 1:
-                collectives.broadcast(loss, g.pp_last_rank, g.pp)
-            # A NaN/inf in any micro-batch reaches every rank through the sum, the DP
-            # all-reduce and the PP broadcast, so all ranks raise together, before the
-            # optimizer step writes NaN into the weights.
-            if not math.isfinite(float(loss)):
-                bad = [i for i, o in enumerate(outputs) if not torch.isfinite(o["loss"])]
-                where = f"step {step}, " if step is not None else ""
-                raise FloatingPointError(
-                    f"non-finite loss ({float(loss)}) at {where}minibatch {k + 1}/{len(minibatches)}"
-                    + (f", micro-batches {bad} of {n_mb} on this rank" if bad else "")
-                    + "; the optimizer did not step")
-            _, grad_norm, _ = self.optimizer.step()
-            self.scheduler.step(increment=1)
-            if self.cfg.overlap_param_gather and k == len(minibatches) - 1:
-                # With overlap_param_gather the optimizer step leaves the updated shards
-                # un-gathered until the next forward's pre-hooks
-                # (DistributedDataParallel.start_param_sync); weights leave this actor
-                # (sync, export, checkpoint) after train_batch, so gather them now.
-                self.model.start_param_sync(force_sync=True)
+            _check_finite(loss, outputs, f"{f'step {step}, ' if step is not None else ''}"
+                                         f"minibatch {k + 1}/{len(minibatches)}")
+            grad_norm = self._optimizer_step(last=k == len(minibatches) - 1)
             result["loss"].append(float(loss))
             result["grad_norm"].append(float(grad_norm) if grad_norm is not None else float("nan"))
-            result["n_micro_batches"].append(n_mb)
+            result["n_micro_batches"].append(len(micro))
         if reduce_stats is not None and g.is_last_stage:
             result["stats"] = reduce_stats(result["micro_stats"], g.dp)
         result["tokens"] = int(batch.input_ids.numel())
         result["lr"] = self.optimizer.param_groups[0]["lr"]  # after this step's scheduler updates
         result["time_s"] = time.perf_counter() - t0
         return result
+
+    def _plan_minibatch(self, sub: PackedBatch | None, batch: PackedBatch) -> tuple[list[PackedBatch], torch.Tensor]:
+        """This rank's micro-batches of one minibatch (a placeholder where it has none of
+        its sequences), and the minibatch's loss-token count over the DP group."""
+        g = self.groups
+        # One all-reduce gives the global loss-token count and the minibatch's sequence
+        # count, which bounds the micro-batch count any rank can ask for.
+        counts = torch.tensor([0.0 if sub is None else float(sub.fields["loss_mask"].sum()),
+                               0.0 if sub is None else float(sub.num_seqs)], device=self.device)
+        collectives.all_reduce(counts, g.dp)
+        tokens = counts[0].clamp(min=1.0)  # a minibatch without loss tokens: 0, not 0/0
+        if sub is None:
+            sub = _placeholder(batch, max(int(counts[1]), 1))
+        sub = self._tp_aligned(sub)
+        lens = sub.seqlens_padded
+        bins = allocate_micro_batches_synced(lens, self.cfg.mb_spec.max_tokens_per_mb, group=g.dp,
+                                             min_mbs=min(g.pp_size, len(lens)))
+        return sub.select_many(bins), tokens
+
+    def _forward_backward(self, micro: list[PackedBatch], loss_fn: LossFn, tokens: torch.Tensor,
+                          temperature: float) -> tuple[torch.Tensor, list[dict]]:
+        """Gradients of one minibatch; returns its loss (summed over micro-batches and DP,
+        on every rank) and the loss function's per-micro-batch stats (last stage)."""
+        g, n_mb = self.groups, len(micro)
+
+        def loss_func(mb, logits):
+            logp = self._logprobs(mb, logits, temperature=temperature)
+            loss, stats = loss_fn(logp, mb, tokens)
+            stats = {**stats, "loss": loss.detach().clone()}
+            # megatron divides each micro-batch loss by num_microbatches (schedules.py,
+            # forward_step) and DDP averages grads over DP (gradient_scaling_factor =
+            # 1/dp); our loss is already normalised by the global token count, so
+            # both divisions are undone here to keep the sum an exact token mean.
+            return loss * n_mb * g.dp_size, stats
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(micro, loss_func, forward_only=False)
+        loss = torch.zeros((), device=self.device)
+        if g.is_last_stage:
+            loss = sum(o["loss"] for o in outputs).float()
+        collectives.all_reduce(loss, g.dp)
+        if g.pp_size > 1:
+            collectives.broadcast(loss, g.pp_last_rank, g.pp)
+        return loss, outputs
+
+    def _optimizer_step(self, *, last: bool):
+        """The optimizer and LR scheduler step; returns the grad norm (None if unknown)."""
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        if self.cfg.overlap_param_gather and last:
+            # With overlap_param_gather the optimizer step leaves the updated shards
+            # un-gathered until the next forward's pre-hooks
+            # (DistributedDataParallel.start_param_sync); weights leave this actor
+            # (sync, export, checkpoint) after train_batch, so gather them now.
+            self.model.start_param_sync(force_sync=True)
+        return grad_norm
+
+
+def _minibatches(batch: PackedBatch, n: int) -> list[PackedBatch | None]:
+    """``n`` contiguous slices of the sequences; None where a slice is empty (fewer
+    sequences than minibatches on this rank)."""
+    splits = [ids.tolist() for ids in np.array_split(np.arange(batch.num_seqs), n)]
+    chosen = batch.select_many([ids for ids in splits if ids])
+    return [chosen.pop(0) if ids else None for ids in splits]
+
+
+def _check_finite(loss: torch.Tensor, outputs: list[dict], where: str) -> None:
+    """A NaN/inf in any micro-batch reaches every rank through the sum, the DP all-reduce
+    and the PP broadcast, so all ranks raise together, before the optimizer step writes
+    NaN into the weights."""
+    if not math.isfinite(float(loss)):
+        bad = [i for i, o in enumerate(outputs) if not torch.isfinite(o["loss"])]
+        raise FloatingPointError(
+            f"non-finite loss ({float(loss)}) at {where}"
+            + (f", micro-batches {bad} of {len(outputs)} on this rank" if bad else "")
+            + "; the optimizer did not step")
 
 
 def _placeholder(batch: PackedBatch, n: int) -> PackedBatch:
