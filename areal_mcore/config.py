@@ -36,7 +36,7 @@ from areal_mcore.launcher.config import LaunchConfig
 from areal_mcore.plan.config import PlanConfig
 from areal_mcore.reward.pool import RewardPoolConfig
 from areal_mcore.rollout.controller import RolloutConfig
-from areal_mcore.rollout.launcher import ServerConfig
+from areal_mcore.rollout.servers import ServerConfig
 from areal_mcore.trainer.config import SFTConfig, TrainerConfig
 from areal_mcore.weight_sync.syncer import WeightSyncConfig
 

@@ -1,7 +1,7 @@
 """Embedded rollout server: continuous batching vs one request at a time.
 
 A small random Qwen2 (hidden 256, 4 layers, vocab 4096) served by
-``python -m areal_mcore.rollout.server``; 64 concurrent requests of 64 new tokens are
+``python -m areal_mcore.rollout.embedded.server``; 64 concurrent requests of 64 new tokens are
 timed against the same requests sent one at a time, over HTTP, in one run. Prints tokens/s
 and the ratio; the numbers depend on the machine, the ratio is the claim.
 Run: ``python bench/rollout_server.py``.
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from areal_mcore.rollout.client import ClientConfig, RolloutClient
-from areal_mcore.rollout.launcher import ServerConfig, launch_servers
+from areal_mcore.rollout.servers import ServerConfig, launch_servers
 from areal_mcore.rollout.protocol import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "rollout_server.json"

@@ -43,9 +43,9 @@ def guard_server_launches(test_marks=None) -> None:
     global inherited
     if test_marks is not None:
         inherited = test_marks
-    from areal_mcore.rollout import launcher
+    from areal_mcore.rollout import servers
 
-    real_init = launcher.ServerProcess.__init__
+    real_init = servers.ServerProcess.__init__
     if getattr(real_init, "guarded", False):
         return
 
@@ -53,4 +53,4 @@ def guard_server_launches(test_marks=None) -> None:
         needs("server")
         real_init(self, *args, **kwargs)
     checked_init.guarded = True
-    launcher.ServerProcess.__init__ = checked_init
+    servers.ServerProcess.__init__ = checked_init

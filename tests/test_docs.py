@@ -28,7 +28,7 @@ filter and convert need model folders). Lines with shell variables ($X), placeho
 (<jobid>, `...`, [optional flags]) or several commands (a pipe) are checked only for their
 command names, make targets and paths; an sbatch script with more than one recipe inside
 (boba_32b.sh: STAGE picks one, its allocation is computed) is checked for its path only;
-`python -m areal_mcore.rollout.server ...` for its module only (its flags are not the CLI's).
+`python -m areal_mcore.rollout.embedded.server ...` for its module only (its flags are not the CLI's).
 """
 
 from __future__ import annotations

@@ -207,3 +207,18 @@ def test_the_actor_imports_neither_the_rollout_side_nor_aiohttp():
             " or m.startswith(('areal_mcore.rollout', 'areal_mcore.reward', 'areal_mcore.config'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_two_modules_or_packages_share_a_name():
+    """A name says where to look: ``rollout/launcher.py`` beside ``launcher/`` and
+    ``weight_sync/plan.py`` beside ``plan/`` sent readers to the wrong one. Each
+    component's ``config.py`` (STYLE.md: one dataclass config per component) is the one
+    shared name."""
+    names: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*"):
+        if "__pycache__" in path.parts or path.name in ("__init__.py", "config.py"):
+            continue
+        if path.suffix == ".py" or (path.is_dir() and (path / "__init__.py").exists()):
+            names.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert not shared, shared

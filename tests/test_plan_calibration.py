@@ -2,7 +2,7 @@
 
 For TP 1/2, PP 1/2, SP on/off and recompute off/full/selective, the planner's predicted
 activation peak (``plan.memory``, local-spec path, fp32) is compared with the bytes
-autograd actually held (``actor.memory.SavedActivationMeter``) during ``train_batch``,
+autograd actually held (``actor.activation_memory.SavedActivationMeter``) during ``train_batch``,
 and its model-state terms with the actor's parameter, grad-buffer and Adam-state bytes.
 Tolerance: activations within 10 %, model state within 2 %, on every rank (measured
 worst: selective recompute -7.2 %, full recompute +4.1 %, the others +0.1 %; state 0.0 %).
@@ -26,7 +26,7 @@ ACT_TOL, STATE_TOL = 0.10, 0.02  # measured worst: 7.2 % (selective recompute), 
 def _measure(case):
     import torch
 
-    from areal_mcore.actor.memory import SavedActivationMeter
+    from areal_mcore.actor.activation_memory import SavedActivationMeter
 
     if case["recompute"] == "selective":
         actor = tiny_actor_selective(case)

@@ -272,7 +272,7 @@ def _sglang_server(port: int, name: str, queue) -> None:
 
 
 def _embedded(port: int, name: str, queue) -> None:
-    from areal_mcore.rollout.server import join_group
+    from areal_mcore.rollout.embedded.server import join_group
     from areal_mcore.rollout.weights import ReusableBuffer, receive_flat
 
     pg = join_group(master_address="127.0.0.1", master_port=port, rank=2, world_size=3,
@@ -359,7 +359,7 @@ def test_embedded_old_api_routes_are_a_subset_of_sglang_0_5_20s(tmp_path):
         status, out = http(a, "GET", "/get_weight_version")
         assert status == 404 and "use '/model_info'" in out["detail"]
         assert ("GET", "/get_weight_version") in routes  # it exists there, and answers 404
-    from areal_mcore.rollout.server import ServerArgs, build_app
+    from areal_mcore.rollout.embedded.server import ServerArgs, build_app
 
     class _Engine:
         pass

@@ -10,7 +10,7 @@ import torch
 from _rollout import EOS
 from _tiny_model import tiny_qwen2
 
-from areal_mcore.rollout.engine import DecodeEngine, Request
+from areal_mcore.rollout.embedded.engine import DecodeEngine, Request
 from areal_mcore.rollout.protocol import SamplingParams
 
 

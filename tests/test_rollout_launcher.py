@@ -7,7 +7,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from areal_mcore.rollout.launcher import ServerConfig, launch_servers, server_command
+from areal_mcore.rollout.servers import ServerConfig, launch_servers, server_command
 
 
 def _flag(cmd, name):
@@ -31,7 +31,7 @@ def test_sglang_command_carries_the_config_and_a_seed_per_server():
 
 def test_embedded_command_runs_our_server_module():
     cmd = server_command(ServerConfig(model_path="/m"), port=5, seed=3)
-    assert cmd[1:3] == ["-m", "areal_mcore.rollout.server"] and _flag(cmd, "--random-seed") == "3"
+    assert cmd[1:3] == ["-m", "areal_mcore.rollout.embedded.server"] and _flag(cmd, "--random-seed") == "3"
 
 
 @pytest.mark.parametrize("kw, msg", [({"backend": "trtllm"}, "backend='trtllm' is not allowed"),
@@ -55,8 +55,8 @@ def test_rollout_imports_no_megatron_and_no_actor():
     import subprocess
     import sys
 
-    code = ("import sys, areal_mcore.rollout.server, areal_mcore.rollout.controller, "
-            "areal_mcore.rollout.launcher; print(sorted(m for m in sys.modules if "
+    code = ("import sys, areal_mcore.rollout.embedded.server, areal_mcore.rollout.controller, "
+            "areal_mcore.rollout.servers; print(sorted(m for m in sys.modules if "
             "m.startswith(('megatron', 'areal_mcore.actor', 'areal_mcore.trainer'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -74,7 +74,7 @@ def test_a_server_dies_with_the_process_that_launched_it(tmp_path):
     import psutil
 
     code = ("import sys, time\n"
-            "from areal_mcore.rollout.launcher import ServerProcess\n"
+            "from areal_mcore.rollout.servers import ServerProcess\n"
             f"s = ServerProcess(['sleep', '120'], host='127.0.0.1', port=1, log_path={str(tmp_path / 'log')!r})\n"
             "print(s.proc.pid, flush=True)\n"
             "time.sleep(120)\n")
@@ -106,7 +106,7 @@ def test_a_server_whose_port_was_taken_before_it_bound_is_started_on_another(tmp
     import socket
     import sys
 
-    import areal_mcore.rollout.launcher as launcher
+    import areal_mcore.rollout.servers as launcher
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -143,7 +143,7 @@ def test_free_ports_come_from_below_the_ephemeral_range():
 def test_servers_launched_without_slurm_get_their_own_gpus_after_the_trainers():
     """Outside Slurm every server inherited the trainer's environment and started on GPU 0,
     beside trainer rank 0."""
-    from areal_mcore.rollout.launcher import server_gpus
+    from areal_mcore.rollout.servers import server_gpus
 
     cfg = ServerConfig(model_path="/m", backend="sglang", n_servers=2, tp_size=2)
     assert server_gpus(cfg, gpu_count=8, trainer_gpus=4) == ["4,5", "6,7"]
@@ -163,7 +163,7 @@ def test_every_launch_path_sets_the_weight_update_groups_nccl_environment(tmp_pa
     trainer and vLLM servers must match (the Slurm launcher exported only the first)."""
     import os
 
-    import areal_mcore.rollout.launcher as launcher
+    import areal_mcore.rollout.servers as launcher
     from areal_mcore.net import NCCL_ENV, set_nccl_env
 
     assert NCCL_ENV == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}

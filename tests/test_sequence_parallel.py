@@ -5,7 +5,7 @@ import torch
 from _actor_setup import ppo_loss, seqs, tiny_actor, train_fields
 from _dist import run_gloo
 
-from areal_mcore.actor.memory import SavedActivationMeter
+from areal_mcore.actor.activation_memory import SavedActivationMeter
 from areal_mcore.packing import pack
 
 pytestmark = pytest.mark.multirank

@@ -6,7 +6,7 @@ import pytest
 
 from areal_mcore.config import load_config
 from areal_mcore.rollout.engines.vllm import VLLMEngine, span_versions, vllm_pause_mode
-from areal_mcore.rollout.launcher import ServerConfig, server_command
+from areal_mcore.rollout.servers import ServerConfig, server_command
 from areal_mcore.rollout.protocol import SamplingParams
 
 

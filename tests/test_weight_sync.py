@@ -17,7 +17,7 @@ from _rollout import embedded_servers, http, tiny_hf_dir
 from _tiny_model import tiny_qwen2
 
 from areal_mcore.model.args import ModelArgs
-from areal_mcore.weight_sync.plan import assign_buckets, make_plan
+from areal_mcore.weight_sync.buckets import assign_buckets, make_plan
 from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncError
 
 pytestmark = pytest.mark.server

@@ -3,7 +3,7 @@
 from areal_mcore.algo.gae import gae_packed
 from areal_mcore.algo.normalize import normalize
 from areal_mcore.algo.ppo_loss import loglinear_proximal_logprobs, ppo_actor_loss, reduce_ppo_stats
-from areal_mcore.algo.reward import transform_reward
+from areal_mcore.algo.reward_shaping import transform_reward
 
 __all__ = [
     "gae_packed",

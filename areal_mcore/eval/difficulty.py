@@ -27,7 +27,7 @@ from areal_mcore.eval.config import (
     eval_server_config,
 )
 from areal_mcore.reward.pool import RewardPoolConfig
-from areal_mcore.rollout.launcher import ServerConfig
+from areal_mcore.rollout.servers import ServerConfig
 
 
 @dataclass(kw_only=True)
@@ -112,7 +112,7 @@ def _sample(cfg: DifficultyConfig, tokenizer, todo, *, total: int, initial: int)
     from tqdm import tqdm
 
     from areal_mcore.reward.pool import RewardPool
-    from areal_mcore.rollout.launcher import launch_servers
+    from areal_mcore.rollout.servers import launch_servers
 
     servers, addresses = [], list(cfg.server.addresses)
     bar = tqdm(total=total, initial=initial, desc="difficulty", unit="problem", disable=not cfg.progress)

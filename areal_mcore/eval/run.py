@@ -103,7 +103,7 @@ def evaluate(cfg: EvalConfig) -> dict:
 
 def _servers(cfg: EvalConfig) -> tuple[list, list[str], dict]:
     """(servers launched here, addresses, what the report says about them)."""
-    from areal_mcore.rollout.launcher import launch_servers
+    from areal_mcore.rollout.servers import launch_servers
 
     if cfg.server.addresses:
         check_full_attention(cfg.server.model_path)

@@ -323,7 +323,7 @@ class Launcher:
 def serve(config: str, overrides: list[str], index: int, host: str, rendezvous: Path) -> None:
     """One rollout server (an srun task): picks a port on this node, publishes it, execs."""
     from areal_mcore.config import load_config
-    from areal_mcore.rollout.launcher import server_command
+    from areal_mcore.rollout.servers import server_command
 
     cfg = load_config(config, overrides)
     port = free_port(host)

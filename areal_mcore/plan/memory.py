@@ -10,7 +10,7 @@ Saved activations per layer and token (elements), as megatron's layers save them
   gathers again in the backward), flash attention's q, k, v and output (2q + 2kv)/t,
   SwiGLU's fc1 output, silu output and fc2 input 4f/t. Korthikanti et al. 2022's count
   (34·h per token without dropout masks and with flash attention) for this architecture.
-- ``local`` (the local spec on CPU, measured with ``actor.memory.SavedActivationMeter``):
+- ``local`` (the local spec on CPU, measured with ``actor.activation_memory.SavedActivationMeter``):
   torch's composite RMSNorm saves input, normalised input and output (3h+1 each, /s),
   math SDPA saves q, the GQA-repeated k and v and the output (4q/t) plus one softmax
   matrix per head (Hq/t · L per token, L the token's sequence length), RoPE's cos/sin

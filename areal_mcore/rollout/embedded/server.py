@@ -1,7 +1,7 @@
 """Embedded rollout server: SGLang's HTTP API (the subset in DESIGN.md) over a transformers
 model on CPU, so the whole RL loop runs where SGLang cannot.
 
-    python -m areal_mcore.rollout.server --model-path HF_DIR --port 30000
+    python -m areal_mcore.rollout.embedded.server --model-path HF_DIR --port 30000
 
 Runs with SGLang's ``skip_tokenizer_init`` semantics: token ids in, token ids out. It
 keeps SGLang's rules, refusals included, so that tests against it fail where SGLang would:
@@ -40,10 +40,10 @@ from aiohttp import web
 
 from areal_mcore.convert.hf_files import load_hf_state_dict
 from areal_mcore.rollout import weights as W
-from areal_mcore.rollout.engine import DecodeEngine, Request
+from areal_mcore.rollout.embedded.engine import DecodeEngine, Request
 from areal_mcore.rollout.protocol import SGLANG_API_VERSION, SamplingParams
 
-log = logging.getLogger("areal_mcore.rollout.server")
+log = logging.getLogger("areal_mcore.rollout.embedded.server")
 ENGINE_KEY = web.AppKey("engine", DecodeEngine)
 STATE_KEY = web.AppKey("state", object)
 

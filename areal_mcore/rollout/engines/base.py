@@ -20,7 +20,7 @@ from areal_mcore.rollout.protocol import SamplingParams
 
 if TYPE_CHECKING:
     from areal_mcore.rollout.client import RolloutClient, _Server
-    from areal_mcore.rollout.launcher import ServerConfig
+    from areal_mcore.rollout.servers import ServerConfig
 
 
 @dataclass

@@ -18,7 +18,7 @@ from areal_mcore.rollout.protocol import RolloutError, SamplingParams, parse_ver
 
 if TYPE_CHECKING:
     from areal_mcore.rollout.client import RolloutClient, _Server
-    from areal_mcore.rollout.launcher import ServerConfig
+    from areal_mcore.rollout.servers import ServerConfig
 
 
 class SGLangEngine(Engine):
@@ -149,12 +149,12 @@ class SGLangEngine(Engine):
 
 
 class EmbeddedEngine(SGLangEngine):
-    """Our CPU server (``rollout/server.py``): SGLang's protocol, its own launch command."""
+    """Our CPU server (``rollout/embedded/server.py``): SGLang's protocol, its own launch command."""
 
     name = "embedded"
 
     def command(self, cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
-        cmd = [cfg.python or sys.executable, "-m", "areal_mcore.rollout.server",
+        cmd = [cfg.python or sys.executable, "-m", "areal_mcore.rollout.embedded.server",
                "--model-path", cfg.model_path, "--context-length", str(cfg.context_length),
                "--random-seed", str(seed), "--dtype", cfg.dtype, "--host", cfg.host,
                "--port", str(port), "--max-running-requests", str(cfg.max_running_requests)]

@@ -48,7 +48,7 @@ from areal_mcore.rollout.protocol import (
 
 if TYPE_CHECKING:
     from areal_mcore.rollout.client import RolloutClient, _Server
-    from areal_mcore.rollout.launcher import ServerConfig
+    from areal_mcore.rollout.servers import ServerConfig
 
 # our pause modes -> vLLM's: abort (in-flight requests end as "abort" with what they
 # generated; the client resubmits), keep (frozen with their KV, resumed on the new
