@@ -2,7 +2,7 @@
 
 One run lives in ``<trainer.log_dir>/<experiment_name>/``::
 
-    .lock                   held (flock) by the run's trainer: one trainer per run directory
+    .lock                   held (lockf) by the run's trainer: one trainer per run directory
     STOP                    a request to checkpoint and exit (the launcher or a user touches it)
     stats.jsonl             one JSON row per finished step ({"step": N, ...})
     checkpoints/latest      the name of the newest complete checkpoint, e.g. step_00000042
@@ -150,25 +150,27 @@ class RunDir:
 
     # ---- one trainer per run ---------------------------------------------------------
     def lock(self):
-        """Holds ``<run>/.lock`` (flock) until the returned file is closed or the process
-        ends (the kernel releases a dead holder's lock, so a killed run's is taken over).
-        A second trainer on the same run directory is refused, naming the holder: two
-        interleave their stats rows and mix their checkpoint files."""
+        """Holds ``<run>/.lock`` until the returned file is closed or the process ends (the
+        kernel releases a dead holder's lock, so a killed run's is taken over). A second
+        trainer on the same run directory is refused, naming the holder: two interleave
+        their stats rows and mix their checkpoint files. A POSIX record lock (lockf), not
+        flock: a forked child (megatron's checkpoint writers fork) inherits an flock with
+        the file descriptor and held it after its killed parent, refusing the resume."""
         import fcntl
         import socket
 
         self.path.mkdir(parents=True, exist_ok=True)
         f = open(self.path / ".lock", "a+")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: held elsewhere
             f.seek(0)
             holder = f.read().strip() or "another process"
             f.close()
             raise ValueError(f"run directory {self.path} is in use by {holder}: a second trainer there would "
                              f"corrupt its stats and checkpoints; stop that run first, or give this one "
                              f"another experiment_name (or trainer.log_dir)") from None
-        except OSError as e:  # a filesystem without flock (ENOLCK, EOPNOTSUPP)
+        except OSError as e:  # a filesystem without locks (ENOLCK, EOPNOTSUPP)
             print(f"[run_dir] warning: cannot lock {self.path / '.lock'} ({e.strerror}): nothing stops a "
                   f"second trainer on this run directory", file=sys.stderr, flush=True)
             return f

@@ -85,7 +85,7 @@ def test_a_full_disk_leaves_no_torn_line_and_the_error_names_the_file(small_disk
     assert [r["step"] for r in run.stats_rows()] == [1, 2]
 
 
-_TAKE_LOCK = "import sys, time; from areal_mcore.run_dir import RunDir; RunDir(sys.argv[1]).lock(); print('locked', flush=True); time.sleep(float(sys.argv[2]))"
+_TAKE_LOCK = "import sys, time; from areal_mcore.run_dir import RunDir; held = RunDir(sys.argv[1]).lock(); print('locked', flush=True); time.sleep(float(sys.argv[2]))"
 
 
 def test_one_trainer_per_run_directory_and_a_dead_holders_lock_is_taken_over(tmp_path):
@@ -99,6 +99,26 @@ def test_one_trainer_per_run_directory_and_a_dead_holders_lock_is_taken_over(tmp
     killed.kill()  # kill -9: the kernel releases its lock; the holder line stays behind
     killed.wait()
     run.lock().close()
+
+
+_LOCK_AND_FORK = ("import os, sys, time; from areal_mcore.run_dir import RunDir; held = RunDir(sys.argv[1]).lock(); "
+                  "child = os.fork()\nif child == 0: time.sleep(60); os._exit(0)\n"
+                  "print(child, flush=True); time.sleep(60)")
+
+
+def test_a_killed_holders_lock_is_free_while_a_child_it_forked_lives_on(tmp_path):
+    """megatron's checkpoint writers are forked: with flock the child shared the lock and
+    a run killed mid-save could not be resumed until that child ended."""
+    run = RunDir(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", _LOCK_AND_FORK, str(run.path)], stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        holder.kill()
+        holder.wait()
+        os.kill(child, 0)  # the forked child still runs
+        run.lock().close()
+    finally:
+        os.kill(child, 9)
 
 
 def test_a_second_trainer_on_a_run_directory_is_refused_before_it_starts(tmp_path):
