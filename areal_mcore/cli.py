@@ -166,7 +166,7 @@ def _filter_by_sampling(a) -> int:
     from areal_mcore.eval.difficulty import DifficultyConfig, filter_by_sampling
     from areal_mcore.paths import check_hf_model, check_tokenizer
     from areal_mcore.reward.pool import RewardPoolConfig
-    from areal_mcore.rollout.servers import ServerConfig
+    from areal_mcore.rollout.config import ServerConfig
 
     _check_filter_data(a)
     model = a.model or a.tokenizer
@@ -378,7 +378,7 @@ def run_eval(a) -> int:
     from areal_mcore.eval import EvalConfig, evaluate, format_table
     from areal_mcore.eval.config import DEFAULT_MAX_NEW_TOKENS
     from areal_mcore.reward.pool import RewardPoolConfig
-    from areal_mcore.rollout.servers import ServerConfig
+    from areal_mcore.rollout.config import ServerConfig
 
     if a.overrides and not a.config:
         raise ValueError(f"overrides {a.overrides} change a config file's values: give --config too")

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from areal_mcore.rollout.client import ClientConfig, RolloutClient
-from areal_mcore.rollout.servers import ServerConfig, launch_servers
+from areal_mcore.rollout.config import ServerConfig
 from areal_mcore.rollout.protocol import SamplingParams
+from areal_mcore.rollout.servers import launch_servers
 
 RESULTS = Path(__file__).parent / "results" / "rollout_server.json"
 N, NEW_TOKENS, SEQUENTIAL = 64, 64, 8

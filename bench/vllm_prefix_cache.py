@@ -46,7 +46,8 @@ async def load(address: str, prompts: list[list[int]], samples: int, new_tokens:
 
 
 def main() -> None:
-    from areal_mcore.rollout.servers import ServerConfig, launch_servers
+    from areal_mcore.rollout.config import ServerConfig
+    from areal_mcore.rollout.servers import launch_servers
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=8)

@@ -27,8 +27,9 @@ import torch.multiprocessing as mp
 
 from areal_mcore.net import free_port
 from areal_mcore.rollout.client import ClientConfig, RolloutClient
-from areal_mcore.rollout.servers import ServerConfig, launch_servers
+from areal_mcore.rollout.config import ServerConfig
 from areal_mcore.rollout.embedded.server import join_group
+from areal_mcore.rollout.servers import launch_servers
 from areal_mcore.weight_sync.group import init_update_group
 from areal_mcore.weight_sync.projection import GPU_LINK, LinkModel, predict_sync_s, projection_table
 from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncer

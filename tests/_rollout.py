@@ -28,7 +28,8 @@ def tiny_hf_dir(root: str, seed: int = 0, **shape) -> str:
 def rollout_servers(model_path: str, log_dir: str, n: int = 1, *, backend: str = "embedded",
                     grace_s: float = 5, **overrides):
     """``n`` servers of ``backend`` on ``model_path`` (fp32, 256-token context), stopped on exit."""
-    from areal_mcore.rollout.servers import ServerConfig, launch_servers
+    from areal_mcore.rollout.config import ServerConfig
+    from areal_mcore.rollout.servers import launch_servers
 
     needs("server")
     overrides = {"dtype": "float32", "context_length": 256, "startup_timeout_s": 120, **overrides}

@@ -15,7 +15,8 @@ from areal_mcore.data.jsonl import LETTERS, DatasetConfig, DatasetError, Problem
 from areal_mcore.eval.choices import shuffle_choices
 from areal_mcore.eval.config import EvalConfig, eval_server_config
 from areal_mcore.eval.passk import default_ks, pass_at_k, pass_at_ks
-from areal_mcore.rollout.servers import ServerConfig, server_command
+from areal_mcore.rollout.config import ServerConfig
+from areal_mcore.rollout.servers import server_command
 
 # ---------------------------------------------------------------------------- pass@k
 

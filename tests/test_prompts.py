@@ -13,7 +13,7 @@ from areal_mcore.data.synthetic import SUFFIX, generate, write_jsonl
 from areal_mcore.data.tokenizer import build_tokenizer
 from areal_mcore.eval.config import EvalConfig
 from areal_mcore.eval.run import prompt_config
-from areal_mcore.rollout.servers import ServerConfig
+from areal_mcore.rollout.config import ServerConfig
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from areal_mcore.rollout.servers import ServerConfig, launch_servers, server_command
+from areal_mcore.rollout.config import ServerConfig
+from areal_mcore.rollout.servers import launch_servers, server_command
 
 
 def _flag(cmd, name):

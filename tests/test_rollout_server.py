@@ -13,7 +13,7 @@ from _rollout import embedded_servers, http, tiny_hf_dir
 
 from areal_mcore.convert.hf_files import load_hf_state_dict
 from areal_mcore.net import free_port
-from areal_mcore.rollout.servers import ServerConfig
+from areal_mcore.rollout.config import ServerConfig
 from areal_mcore.rollout.embedded.server import parse_args
 from areal_mcore.weight_sync.group import destroy_update_group, init_update_group
 

@@ -22,7 +22,7 @@ from _tiny_model import VLLM_SHAPE
 from _vllm import vllm_servers
 
 from areal_mcore.rollout.client import ClientConfig, RolloutClient
-from areal_mcore.rollout.servers import ServerConfig
+from areal_mcore.rollout.config import ServerConfig
 from areal_mcore.rollout.protocol import SamplingParams
 
 pytestmark = [pytest.mark.server, pytest.mark.venv]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from areal_mcore.config import load_config
+from areal_mcore.rollout.config import ServerConfig
 from areal_mcore.rollout.engines.vllm import VLLMEngine, span_versions, vllm_pause_mode
-from areal_mcore.rollout.servers import ServerConfig, server_command
 from areal_mcore.rollout.protocol import SamplingParams
+from areal_mcore.rollout.servers import server_command
 
 
 def test_generate_request_never_sends_a_per_request_seed():

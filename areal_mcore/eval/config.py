@@ -21,7 +21,7 @@ from pathlib import Path
 from areal_mcore.checks import FieldError, check_choice, check_positive, field_error
 from areal_mcore.data.jsonl import THINK_MODES, DatasetConfig
 from areal_mcore.reward.pool import RewardPoolConfig
-from areal_mcore.rollout.servers import ServerConfig
+from areal_mcore.rollout.config import ServerConfig
 
 MODEL_KINDS = ("rl", "sft", "base")
 # (temperature, top_p): boba samples SFT and base models at 0.6/0.95, RL models at 1.0/1.0.

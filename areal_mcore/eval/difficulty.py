@@ -27,7 +27,7 @@ from areal_mcore.eval.config import (
     eval_server_config,
 )
 from areal_mcore.reward.pool import RewardPoolConfig
-from areal_mcore.rollout.servers import ServerConfig
+from areal_mcore.rollout.config import ServerConfig
 
 
 @dataclass(kw_only=True)

@@ -31,6 +31,7 @@ import aiohttp
 from areal_mcore.rollout.engines import engine_for
 from areal_mcore.rollout.engines.base import GroupSpec
 from areal_mcore.rollout.engines.sglang import token_versions  # noqa: F401 (re-exported)
+from areal_mcore.rollout.fleet import Server
 from areal_mcore.rollout.protocol import LAST_OLD_API, RolloutError, SamplingParams  # noqa: F401 (RolloutError re-exported)
 
 log = logging.getLogger(__name__)
@@ -73,25 +74,6 @@ class Completion:
     attempts: int = 0  # failed attempts (failovers) along the way
 
 
-@dataclass
-class _Server:
-    address: str
-    in_flight: int = 0
-    healthy: bool = True
-    version: tuple[int, ...] = ()
-    tp_size: int = 1
-    dp_size: int = 1
-    pp_size: int = 1
-    last_answer: float = 0.0  # monotonic time of its last completion (or busy period's start)
-    stalled: bool = False
-    attempts: set = dataclasses.field(default_factory=set)  # generate attempts in flight
-
-    @property
-    def old_api(self) -> bool:
-        # (0, 0, 0) is an SGLang built from source without metadata ("0.0.0.dev0"): new.
-        return (0, 0, 0) < self.version <= LAST_OLD_API
-
-
 class _Retryable(Exception):
     pass
 
@@ -102,9 +84,9 @@ class RolloutClient:
     def __init__(self, cfg: ClientConfig):
         self.cfg = cfg
         self.engine = engine_for(cfg.backend)
-        self.servers = [_Server(a) for a in cfg.addresses]
+        self.servers = [Server(a) for a in cfg.addresses]
         self._cancelled: set[str] = set()
-        self._wire: dict[str, tuple[_Server, str]] = {}  # rid -> (server, wire rid) in flight
+        self._wire: dict[str, tuple[Server, str]] = {}  # rid -> (server, wire rid) in flight
         self._background: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None  # _watch_stalls
         self._session: aiohttp.ClientSession | None = None
@@ -139,7 +121,7 @@ class RolloutClient:
             await self._session.close()
             self._session = None
 
-    async def _detect(self, s: _Server) -> None:
+    async def _detect(self, s: Server) -> None:
         await self.engine.detect(self, s)
 
     # ---- generation --------------------------------------------------------------------
@@ -220,7 +202,7 @@ class RolloutClient:
         floor = statistics.median(self._rates) / self.cfg.slow_factor
         return min(self.cfg.request_timeout_s, max(self.cfg.min_deadline_s, tokens / floor))
 
-    async def _choose(self, failed: set[str], group: str | None = None) -> _Server:
+    async def _choose(self, failed: set[str], group: str | None = None) -> Server:
         """The group's server if it has one that is healthy and untried, else the healthy
         server with the fewest requests in flight, preferring untried ones."""
         if group is not None:
@@ -263,7 +245,7 @@ class RolloutClient:
                 for attempt in list(s.attempts):
                     attempt.cancel()
 
-    async def _answers_health(self, s: _Server, timeout: float) -> bool:
+    async def _answers_health(self, s: Server, timeout: float) -> bool:
         try:
             async with self._session.get(f"http://{s.address}/health",
                                          timeout=aiohttp.ClientTimeout(total=timeout)) as r:
@@ -278,7 +260,7 @@ class RolloutClient:
         """``known`` and the other servers a ``/health`` probe finds gone: a refused
         connection or an engine that says it is dead (a slow answer, a timeout or another
         HTTP error is not)."""
-        async def probe(s: _Server) -> bool:
+        async def probe(s: Server) -> bool:
             s.healthy = True  # _request sets it to False for a refused connection or a dead engine
             with contextlib.suppress(RolloutError):
                 await self.request(s, "GET", "/health", timeout=30, parse=False)
@@ -297,7 +279,7 @@ class RolloutClient:
 
     async def check_health(self) -> list[bool]:
         """Probes ``/health`` on every server and marks each healthy or not."""
-        async def probe(s: _Server) -> bool:
+        async def probe(s: Server) -> bool:
             try:
                 # Within the stall probe's budget: with no healthy server left, generate's
                 # last try waits on this twice before it gives up.
@@ -308,7 +290,7 @@ class RolloutClient:
             return s.healthy
         return list(await asyncio.gather(*[probe(s) for s in self.servers]))
 
-    async def request(self, s: _Server, method: str, path: str, body: dict | None = None, *,
+    async def request(self, s: Server, method: str, path: str, body: dict | None = None, *,
                       timeout: float, parse: bool = True):
         """One call to one server (for engines); HTTP errors raise ``RolloutError``.
 
@@ -319,7 +301,7 @@ class RolloutClient:
         return await self._request(s, method, path, body, timeout=timeout, parse=parse,
                                    close=True)
 
-    async def _request(self, s: _Server, method: str, path: str, body: dict | None = None, *,
+    async def _request(self, s: Server, method: str, path: str, body: dict | None = None, *,
                        timeout: float, retryable: bool = False, parse: bool = True,
                        wire_rid: str | None = None, close: bool = False):
         url = f"http://{s.address}{path}"
@@ -351,7 +333,7 @@ class RolloutClient:
                 raise _Retryable(f"{type(e).__name__}: {e}") from None
             raise RolloutError(f"{s.address}{path}: {type(e).__name__}: {e}") from None
 
-    async def _abort_on(self, s: _Server, rid: str) -> None:
+    async def _abort_on(self, s: Server, rid: str) -> None:
         try:
             await self.engine.abort(self, s, rid)
         except RolloutError:
@@ -359,7 +341,7 @@ class RolloutClient:
 
     # ---- fleet control (the engine's protocol) -------------------------------------------
     async def all(self, method: str, path: str, body: dict | None = None, *,
-                  servers: list[_Server] | None = None, timeout: float = 600.0,
+                  servers: list[Server] | None = None, timeout: float = 600.0,
                   fail_fast: bool = False) -> list:
         """The same call on every server (by default those not found stalled: they answer
         nothing, and waiting on them is what the watchdog is for), concurrently; every
@@ -370,7 +352,7 @@ class RolloutClient:
                                fail_fast=fail_fast)
 
     @staticmethod
-    async def each(servers: list[_Server], calls: list, *, fail_fast: bool = False) -> list:
+    async def each(servers: list[Server], calls: list, *, fail_fast: bool = False) -> list:
         """Awaits one call per server; raises one RolloutError naming every server that
         failed. ``fail_fast``: the first failure cancels the calls still running (a weight
         bucket: the other servers answer only after a broadcast that cannot complete)."""

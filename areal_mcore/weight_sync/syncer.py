@@ -46,8 +46,8 @@ from areal_mcore.net import free_port
 from areal_mcore.rollout.client import ClientConfig, RolloutClient, RolloutError
 from areal_mcore.rollout.protocol import PAUSE_MODES
 from areal_mcore.rollout.weights import ReusableBuffer
-from areal_mcore.weight_sync.group import routable_address
 from areal_mcore.weight_sync.buckets import DTYPES, SyncPlan, make_plan, plan_key
+from areal_mcore.weight_sync.group import routable_address
 from areal_mcore.weight_sync.transport import open_group
 
 MODES = ("distributed", "disk")

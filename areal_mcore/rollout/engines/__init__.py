@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from areal_mcore.rollout.config import BACKENDS
 from areal_mcore.rollout.engines.base import Engine
-
-BACKENDS = ("sglang", "embedded", "vllm")
 
 
 def engine_for(backend: str) -> Engine:

@@ -7,8 +7,9 @@ each; everything that differs between engines sits behind ``Engine``: the launch
 the generate request and its response, pause/resume/abort, weight versions and the
 weight-update protocol. A new engine is a new module here, never a branch elsewhere.
 
-``fleet`` below is the ``RolloutClient``: engines send through its ``request`` (one
-server) and ``all`` (every server, every failure reported) and read its ``servers``.
+``fleet`` below is a ``rollout.fleet.Fleet`` (the run's is the ``RolloutClient``):
+engines send through its ``request`` (one server) and ``all`` (every server, every
+failure reported) and read its ``servers``; they never import the client.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import TYPE_CHECKING
 from areal_mcore.rollout.protocol import SamplingParams
 
 if TYPE_CHECKING:
-    from areal_mcore.rollout.client import RolloutClient, _Server
-    from areal_mcore.rollout.servers import ServerConfig
+    from areal_mcore.rollout.config import ServerConfig
+    from areal_mcore.rollout.fleet import Fleet, Server
 
 
 @dataclass
@@ -61,16 +62,16 @@ class Engine:
         return base
 
     # ---- generation --------------------------------------------------------------------
-    async def detect(self, fleet: RolloutClient, s: _Server) -> None:
+    async def detect(self, fleet: Fleet, s: Server) -> None:
         """Fills the server's version and parallel sizes."""
         raise NotImplementedError
 
-    def generate_request(self, s: _Server, input_ids: list[int], params: SamplingParams,
+    def generate_request(self, s: Server, input_ids: list[int], params: SamplingParams,
                          wire_rid: str) -> tuple[str, dict]:
         """(path, JSON body) of one generate attempt."""
         raise NotImplementedError
 
-    def parse_generate(self, s: _Server, out: dict, requested: int) -> Chunk:
+    def parse_generate(self, s: Server, out: dict, requested: int) -> Chunk:
         raise NotImplementedError
 
     def dead_engine(self, status: int, text: str) -> bool:
@@ -79,29 +80,29 @@ class Engine:
         return False
 
     # ---- control -----------------------------------------------------------------------
-    async def abort(self, fleet: RolloutClient, s: _Server, wire_rid: str) -> None:
+    async def abort(self, fleet: Fleet, s: Server, wire_rid: str) -> None:
         raise NotImplementedError
 
-    async def abort_all(self, fleet: RolloutClient) -> None:
+    async def abort_all(self, fleet: Fleet) -> None:
         raise NotImplementedError
 
-    async def pause(self, fleet: RolloutClient, mode: str) -> None:
+    async def pause(self, fleet: Fleet, mode: str) -> None:
         raise NotImplementedError
 
-    async def resume(self, fleet: RolloutClient) -> None:
+    async def resume(self, fleet: Fleet) -> None:
         raise NotImplementedError
 
-    async def flush_cache(self, fleet: RolloutClient) -> None:
+    async def flush_cache(self, fleet: Fleet) -> None:
         raise NotImplementedError
 
-    async def weight_versions(self, fleet: RolloutClient) -> list[str]:
+    async def weight_versions(self, fleet: Fleet) -> list[str]:
         raise NotImplementedError
 
     # ---- weight updates ----------------------------------------------------------------
-    def check_distributed_updates(self, fleet: RolloutClient, pp_size: int) -> None:
+    def check_distributed_updates(self, fleet: Fleet, pp_size: int) -> None:
         """Raises ``RolloutError`` for servers this engine cannot update over a group."""
 
-    def group_world_size(self, fleet: RolloutClient) -> int:
+    def group_world_size(self, fleet: Fleet) -> int:
         """Trainer rank 0 plus every server's receiving ranks."""
         return 1 + sum(s.tp_size for s in fleet.servers)
 
@@ -113,31 +114,31 @@ class Engine:
         """Whether a bucket may travel as one flat ``uint8`` broadcast."""
         return True
 
-    async def init_group(self, fleet: RolloutClient, spec: GroupSpec) -> None:
+    async def init_group(self, fleet: Fleet, spec: GroupSpec) -> None:
         """Blocks until every server joined; the trainer joins as rank 0 concurrently."""
         raise NotImplementedError
 
-    async def destroy_group(self, fleet: RolloutClient, group_name: str, backend: str) -> None:
+    async def destroy_group(self, fleet: Fleet, group_name: str, backend: str) -> None:
         raise NotImplementedError
 
-    async def begin_update(self, fleet: RolloutClient, pause_mode: str) -> None:
+    async def begin_update(self, fleet: Fleet, pause_mode: str) -> None:
         """Pauses generation and opens an update session."""
         raise NotImplementedError
 
-    async def update_bucket(self, fleet: RolloutClient, *, names: list[str], dtypes: list[str],
+    async def update_bucket(self, fleet: Fleet, *, names: list[str], dtypes: list[str],
                             shapes: list[list[int]], group: GroupSpec, flatten: bool,
                             weight_version: str | None) -> None:
         """Servers receive one bucket by ``broadcast(src=0)`` while the trainer sends it."""
         raise NotImplementedError
 
-    async def finish_update(self, fleet: RolloutClient, pause_mode: str, version: str) -> None:
+    async def finish_update(self, fleet: Fleet, pause_mode: str, version: str) -> None:
         """Closes the session, makes the servers report ``version`` and resumes."""
         raise NotImplementedError
 
-    async def end_update(self, fleet: RolloutClient, *, best_effort: bool) -> None:
+    async def end_update(self, fleet: Fleet, *, best_effort: bool) -> None:
         """Closes an open session (best effort: ignoring refusals, on every server)."""
         raise NotImplementedError
 
-    async def update_from_disk(self, fleet: RolloutClient, path: str, version: str,
+    async def update_from_disk(self, fleet: Fleet, path: str, version: str,
                                pause_mode: str) -> None:
         raise NotImplementedError

@@ -17,8 +17,8 @@ from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec
 from areal_mcore.rollout.protocol import RolloutError, SamplingParams, parse_version
 
 if TYPE_CHECKING:
-    from areal_mcore.rollout.client import RolloutClient, _Server
-    from areal_mcore.rollout.servers import ServerConfig
+    from areal_mcore.rollout.config import ServerConfig
+    from areal_mcore.rollout.fleet import Fleet, Server
 
 
 class SGLangEngine(Engine):
@@ -37,7 +37,7 @@ class SGLangEngine(Engine):
             cmd += ["--api-key", cfg.api_key]
         return cmd + list(cfg.extra_args)
 
-    async def detect(self, fleet: RolloutClient, s: _Server) -> None:
+    async def detect(self, fleet: Fleet, s: Server) -> None:
         """Version and parallel sizes from /server_info (SGLang 0.5.10-0.5.23 all serve it;
         /get_server_info is its deprecated alias)."""
         for path in ("/server_info", "/get_server_info"):
@@ -51,12 +51,12 @@ class SGLangEngine(Engine):
             return
         raise RolloutError(f"{s.address}: neither /server_info nor /get_server_info answered")
 
-    def generate_request(self, s: _Server, input_ids: list[int], params: SamplingParams,
+    def generate_request(self, s: Server, input_ids: list[int], params: SamplingParams,
                          wire_rid: str) -> tuple[str, dict]:
         return "/generate", {"input_ids": input_ids, "sampling_params": params.to_json(),
                              "return_logprob": True, "rid": wire_rid}
 
-    def parse_generate(self, s: _Server, out: dict, requested: int) -> Chunk:
+    def parse_generate(self, s: Server, out: dict, requested: int) -> Chunk:
         meta = out["meta_info"]
         chunk = out["output_ids"]
         return Chunk(output_ids=chunk,
@@ -65,28 +65,28 @@ class SGLangEngine(Engine):
                      finish_reason=meta["finish_reason"])
 
     # ---- control -----------------------------------------------------------------------
-    async def abort(self, fleet: RolloutClient, s: _Server, wire_rid: str) -> None:
+    async def abort(self, fleet: Fleet, s: Server, wire_rid: str) -> None:
         await fleet.all("POST", "/abort_request", {"rid": wire_rid}, servers=[s])
 
-    async def abort_all(self, fleet: RolloutClient) -> None:
+    async def abort_all(self, fleet: Fleet) -> None:
         await fleet.all("POST", "/abort_request", {"abort_all": True})
 
-    async def pause(self, fleet: RolloutClient, mode: str) -> None:
+    async def pause(self, fleet: Fleet, mode: str) -> None:
         await fleet.all("POST", "/pause_generation", {"mode": mode})
 
-    async def resume(self, fleet: RolloutClient) -> None:
+    async def resume(self, fleet: Fleet) -> None:
         await fleet.all("POST", "/continue_generation", {})
 
-    async def flush_cache(self, fleet: RolloutClient) -> None:
+    async def flush_cache(self, fleet: Fleet) -> None:
         await fleet.all("POST", "/flush_cache")
 
-    async def weight_versions(self, fleet: RolloutClient) -> list[str]:
+    async def weight_versions(self, fleet: Fleet) -> list[str]:
         """Every server's version, from /model_info (on every SGLang version)."""
         infos = await fleet.all("GET", "/model_info", timeout=30)
         return [str(info["weight_version"]) for info in infos]
 
     # ---- weight updates ----------------------------------------------------------------
-    def check_distributed_updates(self, fleet: RolloutClient, pp_size: int) -> None:
+    def check_distributed_updates(self, fleet: Fleet, pp_size: int) -> None:
         """SGLang's ``update_weights_from_distributed`` asserts ``dp_size == 1`` and joins
         TP rank r as ``rank_offset + r``: PP stages would take the same ranks."""
         bad = [s for s in fleet.servers if s.dp_size != 1 or s.pp_size != 1]
@@ -98,22 +98,22 @@ class SGLangEngine(Engine):
                 "; launch one server per data-parallel replica (rollout.server.n_servers) with "
                 "tp_size only, or use weight_sync.mode=disk", [s.address for s in bad])
 
-    async def init_group(self, fleet: RolloutClient, spec: GroupSpec) -> None:
+    async def init_group(self, fleet: Fleet, spec: GroupSpec) -> None:
         await fleet.each(fleet.servers, [fleet.request(s, "POST", "/init_weights_update_group", {
             "master_address": spec.master_address, "master_port": spec.master_port,
             "rank_offset": o, "world_size": spec.world_size, "group_name": spec.group_name,
             "backend": spec.backend}, timeout=600)
             for s, o in zip(fleet.servers, spec.rank_offsets, strict=True)])
 
-    async def destroy_group(self, fleet: RolloutClient, group_name: str, backend: str) -> None:
+    async def destroy_group(self, fleet: Fleet, group_name: str, backend: str) -> None:
         await fleet.all("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
-    async def begin_update(self, fleet: RolloutClient, pause_mode: str) -> None:
+    async def begin_update(self, fleet: Fleet, pause_mode: str) -> None:
         await self.pause(fleet, pause_mode)
         await fleet.all("POST", "/begin_weight_update", {},
                         servers=[s for s in fleet.servers if not s.old_api])
 
-    async def update_bucket(self, fleet: RolloutClient, *, names: list[str], dtypes: list[str],
+    async def update_bucket(self, fleet: Fleet, *, names: list[str], dtypes: list[str],
                             shapes: list[list[int]], group: GroupSpec, flatten: bool,
                             weight_version: str | None) -> None:
         """``load_format="flattened_bucket"``: one broadcast of the tensors back to back.
@@ -125,14 +125,14 @@ class SGLangEngine(Engine):
             "flush_cache": False, "weight_version": weight_version,
             "load_format": "flattened_bucket" if flatten else None}, fail_fast=True)
 
-    async def finish_update(self, fleet: RolloutClient, pause_mode: str, version: str) -> None:
+    async def finish_update(self, fleet: Fleet, pause_mode: str, version: str) -> None:
         # SGLang refuses /flush_cache while requests keep their cache (pause mode in_place).
         if pause_mode != "in_place":
             await self.flush_cache(fleet)
         await self.end_update(fleet, best_effort=False)
         await self.resume(fleet)
 
-    async def end_update(self, fleet: RolloutClient, *, best_effort: bool) -> None:
+    async def end_update(self, fleet: Fleet, *, best_effort: bool) -> None:
         servers = [s for s in fleet.servers if not s.old_api]
         if not best_effort:
             await fleet.all("POST", "/end_weight_update", {}, servers=servers)
@@ -140,7 +140,7 @@ class SGLangEngine(Engine):
         await asyncio.gather(*[fleet.request(s, "POST", "/end_weight_update", {}, timeout=60)
                                for s in servers], return_exceptions=True)
 
-    async def update_from_disk(self, fleet: RolloutClient, path: str, version: str,
+    async def update_from_disk(self, fleet: Fleet, path: str, version: str,
                                pause_mode: str) -> None:
         await self.pause(fleet, pause_mode)
         await fleet.all("POST", "/update_weights_from_disk",

@@ -47,8 +47,8 @@ from areal_mcore.rollout.protocol import (
 )
 
 if TYPE_CHECKING:
-    from areal_mcore.rollout.client import RolloutClient, _Server
-    from areal_mcore.rollout.servers import ServerConfig
+    from areal_mcore.rollout.config import ServerConfig
+    from areal_mcore.rollout.fleet import Fleet, Server
 
 # our pause modes -> vLLM's: abort (in-flight requests end as "abort" with what they
 # generated; the client resubmits), keep (frozen with their KV, resumed on the new
@@ -145,7 +145,7 @@ class VLLMEngine(Engine):
         return env
 
     # ---- generation --------------------------------------------------------------------
-    async def detect(self, fleet: RolloutClient, s: _Server) -> None:
+    async def detect(self, fleet: Fleet, s: Server) -> None:
         """Version from /version, receiving ranks (TP x PP) from /get_world_size."""
         info = await fleet.request(s, "GET", "/version", timeout=30)
         s.version = parse_version(str(info.get("version", "")))
@@ -154,7 +154,7 @@ class VLLMEngine(Engine):
         total = await fleet.request(s, "GET", "/get_world_size?include_dp=true", timeout=30)
         s.dp_size = int(total["world_size"]) // s.tp_size
 
-    def generate_request(self, s: _Server, input_ids: list[int], params: SamplingParams,
+    def generate_request(self, s: Server, input_ids: list[int], params: SamplingParams,
                          wire_rid: str) -> tuple[str, dict]:
         sp = {"max_tokens": params.max_new_tokens, "temperature": params.temperature,
               "top_p": params.top_p, "top_k": 0 if params.top_k == -1 else params.top_k,
@@ -166,7 +166,7 @@ class VLLMEngine(Engine):
         return "/inference/v1/generate", {"token_ids": input_ids, "sampling_params": sp,
                                           "request_id": wire_rid}
 
-    def parse_generate(self, s: _Server, out: dict, requested: int) -> Chunk:
+    def parse_generate(self, s: Server, out: dict, requested: int) -> Chunk:
         choice = out["choices"][0]
         ids = list(choice.get("token_ids") or [])
         content = (choice.get("logprobs") or {}).get("content") or []
@@ -193,30 +193,30 @@ class VLLMEngine(Engine):
                                   or "engine is dead" in text.lower())
 
     # ---- control -----------------------------------------------------------------------
-    async def abort(self, fleet: RolloutClient, s: _Server, wire_rid: str) -> None:
+    async def abort(self, fleet: Fleet, s: Server, wire_rid: str) -> None:
         # The token route serves request ids as "generate-tokens-<request_id>"
         # (token_in_token_out/serving.py), and the RL route aborts by that external id.
         await fleet.all("POST", "/abort_requests",
                         {"request_ids": [f"generate-tokens-{wire_rid}"]}, servers=[s])
 
-    async def abort_all(self, fleet: RolloutClient) -> None:
+    async def abort_all(self, fleet: Fleet) -> None:
         await fleet.all("POST", "/abort_requests", {})
 
-    async def pause(self, fleet: RolloutClient, mode: str) -> None:
+    async def pause(self, fleet: Fleet, mode: str) -> None:
         await fleet.all("POST", f"/pause?mode={vllm_pause_mode(mode)}")
 
-    async def resume(self, fleet: RolloutClient) -> None:
+    async def resume(self, fleet: Fleet) -> None:
         await fleet.all("POST", "/resume")
 
-    async def flush_cache(self, fleet: RolloutClient) -> None:
+    async def flush_cache(self, fleet: Fleet) -> None:
         await fleet.all("POST", "/reset_prefix_cache")
 
-    async def weight_versions(self, fleet: RolloutClient) -> list[str]:
+    async def weight_versions(self, fleet: Fleet) -> list[str]:
         infos = await fleet.all("GET", "/weight_info", timeout=30)
         return [str(i["weight_version"]) for i in infos]
 
     # ---- weight updates ----------------------------------------------------------------
-    def check_distributed_updates(self, fleet: RolloutClient, pp_size: int) -> None:
+    def check_distributed_updates(self, fleet: Fleet, pp_size: int) -> None:
         bad = [s for s in fleet.servers if s.dp_size != 1]
         if bad:
             raise RolloutError(
@@ -232,7 +232,7 @@ class VLLMEngine(Engine):
         # (packed_tensor.py); we send its unpacked format: one broadcast per tensor.
         return backend == "gloo"
 
-    async def init_group(self, fleet: RolloutClient, spec: GroupSpec) -> None:
+    async def init_group(self, fleet: Fleet, spec: GroupSpec) -> None:
         if spec.backend != "gloo" and spec.stage > 0:
             # NCCLWeightTransferEngine.init_transfer_engine replaces its one group, so a
             # second stage's group would take the first one's place.
@@ -252,7 +252,7 @@ class VLLMEngine(Engine):
                                        {"init_info": info}, timeout=600))
         await fleet.each(fleet.servers, calls)
 
-    async def destroy_group(self, fleet: RolloutClient, group_name: str, backend: str) -> None:
+    async def destroy_group(self, fleet: Fleet, group_name: str, backend: str) -> None:
         """vLLM's NCCL engine holds one communicator, which a second
         ``init_transfer_engine`` overwrites without freeing (``nccl_engine.py``): it is shut
         down (``/shutdown_weight_transfer_engine``, which frees it) before the next group
@@ -260,11 +260,11 @@ class VLLMEngine(Engine):
         if backend != "gloo":
             await fleet.all("POST", "/shutdown_weight_transfer_engine", {})
 
-    async def begin_update(self, fleet: RolloutClient, pause_mode: str) -> None:
+    async def begin_update(self, fleet: Fleet, pause_mode: str) -> None:
         await self.pause(fleet, pause_mode)
         await fleet.all("POST", "/start_weight_update")
 
-    async def update_bucket(self, fleet: RolloutClient, *, names: list[str], dtypes: list[str],
+    async def update_bucket(self, fleet: Fleet, *, names: list[str], dtypes: list[str],
                             shapes: list[list[int]], group: GroupSpec, flatten: bool,
                             weight_version: str | None) -> None:
         info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
@@ -272,12 +272,12 @@ class VLLMEngine(Engine):
             info |= {"stage": group.stage, "packed": flatten}
         await fleet.all("POST", "/update_weights", {"update_info": info}, fail_fast=True)
 
-    async def finish_update(self, fleet: RolloutClient, pause_mode: str, version: str) -> None:
+    async def finish_update(self, fleet: Fleet, pause_mode: str, version: str) -> None:
         await fleet.all("POST", "/finish_weight_update", {})
         await fleet.all("POST", "/update_weight_version", {"new_version": version})
         await self.resume(fleet)
 
-    async def end_update(self, fleet: RolloutClient, *, best_effort: bool) -> None:
+    async def end_update(self, fleet: Fleet, *, best_effort: bool) -> None:
         """Best effort: finishes the session on every server that may hold one, ignoring
         refusals. vLLM has no route that reports an open session and answers a finish
         without one with a 500 and a traceback in its log (``gpu_worker.py``), so only a
@@ -287,12 +287,12 @@ class VLLMEngine(Engine):
             await fleet.all("POST", "/finish_weight_update", {})
             return
 
-        async def close(s: _Server) -> None:
+        async def close(s: Server) -> None:
             if (await fleet.request(s, "GET", "/is_paused", timeout=30))["is_paused"]:
                 await fleet.request(s, "POST", "/finish_weight_update", {}, timeout=60)
         await asyncio.gather(*[close(s) for s in fleet.servers], return_exceptions=True)
 
-    async def update_from_disk(self, fleet: RolloutClient, path: str, version: str,
+    async def update_from_disk(self, fleet: Fleet, path: str, version: str,
                                pause_mode: str) -> None:
         """vLLM's in-place reload from an HF folder, ``Worker.reload_weights(weights_path=)``
         (``model_executor/model_loader/reload/inplace.py``: vLLM's own ``load_weights``,
