@@ -171,13 +171,14 @@ async def _drive_client(sglang: SGLang) -> tuple[list, tuple]:
             await client.continue_()
             await client.flush_cache()
             await client.abort_all()
-            await client.init_weights_update_group(master_address="127.0.0.1", master_port=1,
-                                                   group_name="g", backend="gloo")
-            await client.begin_weight_update()
-            for fmt in (None, "flattened_bucket"):
-                await client.update_weights_from_distributed(
-                    names=["a"], dtypes=["bfloat16"], shapes=[[2]], group_name="g",
-                    weight_version="4", flush_cache=False, load_format=fmt)
+            # The weight update as the syncer drives it (weight_sync/syncer.py).
+            group = client.group_spec(master_address="127.0.0.1", master_port=1, group_name="g",
+                                      backend="gloo")
+            await client.engine.init_group(client, group)
+            await client.begin_update("abort")
+            for flatten in (False, True):
+                await client.update_bucket(names=["a"], dtypes=["bfloat16"], shapes=[[2]], group=group,
+                                           flatten=flatten, weight_version="4")
             await client.end_weight_update()
             await client.end_weight_update(best_effort=True)
             await client.destroy_weights_update_group("g", backend="gloo")

@@ -337,8 +337,7 @@ def _stale_session_worker(rank, world, addresses):
 
     async def go():
         async with RolloutClient(ClientConfig(addresses=addresses)) as client:
-            await client.pause(mode="abort")
-            await client.begin_weight_update()
+            await client.begin_update("abort")  # pause, then the session
     asyncio.run(go())
 
 

@@ -411,24 +411,12 @@ class RolloutClient:
                          group_name=group_name, backend=backend, stage=stage,
                          rank_offsets=offsets, world_size=self.weight_group_world_size())
 
-    async def init_weights_update_group(self, *, master_address: str, master_port: int,
-                                        group_name: str, backend: str, stage: int = 0) -> None:
-        """Blocks until every server joined; the trainer must join as rank 0 concurrently."""
-        await self.engine.init_group(self, self.group_spec(
-            master_address=master_address, master_port=master_port, group_name=group_name,
-            backend=backend, stage=stage))
-
     async def destroy_weights_update_group(self, group_name: str, *, backend: str) -> None:
         await self.engine.destroy_group(self, group_name, backend)
 
     async def begin_update(self, pause_mode: str) -> None:
         """Pauses generation and opens an update session on every server."""
         await self.engine.begin_update(self, pause_mode)
-
-    async def begin_weight_update(self) -> None:
-        """The session alone (no pause), as SGLang's route."""
-        await self.all("POST", "/begin_weight_update", {},
-                       servers=[s for s in self.servers if not s.old_api])
 
     async def finish_update(self, pause_mode: str, version: str) -> None:
         """Closes the session, makes the servers report ``version`` and resumes them."""
@@ -446,17 +434,6 @@ class RolloutClient:
         await self.engine.update_bucket(self, names=names, dtypes=dtypes, shapes=shapes,
                                         group=group, flatten=flatten,
                                         weight_version=weight_version)
-
-    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
-                                              shapes: list[list[int]], group_name: str,
-                                              weight_version: str | None = None,
-                                              flush_cache: bool = True,
-                                              load_format: str | None = None) -> None:
-        """SGLang's route as it is (the contract tests check its body)."""
-        await self.all("POST", "/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": flush_cache, "weight_version": weight_version,
-            "load_format": load_format})
 
     async def update_weights_from_disk(self, model_path: str, *,
                                        weight_version: str | None = None,
