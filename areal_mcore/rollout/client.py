@@ -32,7 +32,7 @@ from areal_mcore.rollout.engines import engine_for
 from areal_mcore.rollout.engines.base import GroupSpec
 from areal_mcore.rollout.engines.sglang import token_versions  # noqa: F401 (re-exported)
 from areal_mcore.rollout.fleet import Server
-from areal_mcore.rollout.protocol import LAST_OLD_API, RolloutError, SamplingParams  # noqa: F401 (RolloutError re-exported)
+from areal_mcore.rollout.protocol import RolloutError, SamplingParams  # noqa: F401 (RolloutError re-exported)
 
 log = logging.getLogger(__name__)
 

@@ -245,9 +245,13 @@ class PPORun:
                      "dispatch/time_s": moved.pack_s + moved.send_s}
         return shard, stats
 
-    def sync(self, version: int) -> dict:
-        if self.rollout_side is not None:  # rank 0, the sync's coordinator: no pause waits on them
+    def _tell_syncer_the_stalled(self) -> None:
+        """Rank 0, the sync's coordinator: no pause or destroy waits on a stalled server."""
+        if self.rollout_side is not None:
             self.syncer.stalled = self.loop.call(self.rollout_side.client.stalled_servers)
+
+    def sync(self, version: int) -> dict:
+        self._tell_syncer_the_stalled()
         stats = self.loop.run(self.syncer.push(version))
         out = {"sync/time_s": stats.total_s, "sync/bytes": float(stats.bytes)}
         if self.rollout_side is not None:
@@ -360,8 +364,7 @@ class PPORun:
     def close(self, barrier: bool = True) -> None:
         # The syncer first: its update groups are torn down on servers that are still up.
         if self.syncer is not None:
-            if self.rollout_side is not None and self.rollout_side.client is not None:
-                self.syncer.stalled = self.loop.call(self.rollout_side.client.stalled_servers)
+            self._tell_syncer_the_stalled()
             self.loop.run(self.syncer.close())
         if self.rollout_side is not None:
             self.rollout_side.close()
