@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     from areal_mcore.accel import quiet_known_warnings
 
     quiet_known_warnings()  # before megatron-core is imported; the actor says it in one line
-    from areal_mcore.rollout.client import RolloutError
+    from areal_mcore.rollout.protocol import RolloutError
     try:
         return {"convert": run_convert, "filter": run_filter, "train": run_train,
                 "sft": run_train, "eval": run_eval, "launch": run_launch, "plan": run_plan,

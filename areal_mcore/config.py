@@ -38,7 +38,7 @@ from areal_mcore.reward.pool import RewardPoolConfig
 from areal_mcore.rollout.config import ServerConfig
 from areal_mcore.rollout.controller import RolloutConfig
 from areal_mcore.trainer.config import SFTConfig, TrainerConfig
-from areal_mcore.weight_sync.syncer import WeightSyncConfig
+from areal_mcore.weight_sync.config import WeightSyncConfig
 
 
 class ConfigError(ValueError):

@@ -26,13 +26,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from areal_mcore.net import free_port
-from areal_mcore.rollout.client import ClientConfig, RolloutClient
 from areal_mcore.rollout.config import ServerConfig
 from areal_mcore.rollout.embedded.server import join_group
+from areal_mcore.rollout.fleet import Fleet
 from areal_mcore.rollout.servers import launch_servers
+from areal_mcore.weight_sync import weight_syncer
+from areal_mcore.weight_sync.config import WeightSyncConfig
 from areal_mcore.weight_sync.group import init_update_group
 from areal_mcore.weight_sync.projection import GPU_LINK, LinkModel, predict_sync_s, projection_table
-from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncer
 
 RESULTS = Path(__file__).parent / "results" / "weight_sync.json"
 MB = 2**20
@@ -98,18 +99,19 @@ def copy_GBps(nbytes: int, src_dtype: torch.dtype) -> float:
 
 
 async def http_rtt(addresses: list[str], n: int = 20) -> float:
-    async with RolloutClient(ClientConfig(addresses=addresses)) as client:
-        await client.flush_cache()
+    """One control call to every server (a cache flush), as the sync makes them."""
+    async with Fleet(addresses) as fleet:
+        await fleet.all("POST", "/flush_cache")
         t = time.perf_counter()
         for _ in range(n):
-            await client.flush_cache()
+            await fleet.all("POST", "/flush_cache")
         return (time.perf_counter() - t) / n
 
 
 async def one_config(actor, addresses, bucket_mb: float, flatten: bool):
     cfg = WeightSyncConfig(bucket_mb=bucket_mb, flatten=flatten, dtype="bfloat16",
                            master_address="127.0.0.1")
-    syncer = WeightSyncer(cfg, actor, addresses)
+    syncer = weight_syncer(cfg, actor, addresses)
     await syncer.connect()
     await syncer.push(1)  # warm-up: allocations, connections
     stats = await syncer.push(2)

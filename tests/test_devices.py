@@ -153,7 +153,7 @@ def test_every_thread_the_trainer_runs_cuda_work_on_is_on_the_ranks_gpu(monkeypa
     import inspect
 
     from areal_mcore.trainer.event_loop import LoopThread
-    from areal_mcore.weight_sync import syncer
+    from areal_mcore.weight_sync import disk, distributed, syncer
 
     PerThreadCuda(8).install(monkeypatch.setattr)
     torch.cuda.set_device(3)  # what bind_local_device does on the main thread of LOCAL_RANK 3
@@ -162,11 +162,15 @@ def test_every_thread_the_trainer_runs_cuda_work_on_is_on_the_ranks_gpu(monkeypa
     try:
         assert loop.call(torch.cuda.current_device) == 3
         assert loop.run(asyncio.to_thread(torch.cuda.current_device)) == 0  # the trap itself
-        sync = object.__new__(syncer.WeightSyncer)  # only its device and _in_thread
+        sync = object.__new__(syncer.Syncer)  # only its device and _in_thread
         sync._device = torch.device("cuda", 3)
         assert loop.run(sync._in_thread(torch.cuda.current_device)) == 3
     finally:
         loop.close()
-    # Every thread job of the syncer goes through _in_thread.
-    source = inspect.getsource(syncer)
-    assert source.count("asyncio.to_thread(") == 1 and "self._in_thread(" in source
+    # Every thread job of the syncers goes through _in_thread (or distributed's daemon
+    # threads, which bind the device the same way).
+    sources = [inspect.getsource(m) for m in (syncer, distributed, disk)]
+    assert sum(s.count("asyncio.to_thread(") for s in sources) == 1
+    assert all("self._in_thread(" in s for s in sources[1:])
+    assert sum(s.count("threading.Thread(") for s in sources) == 1
+    assert "bound = inherit_device(fn, self._device)" in sources[1]

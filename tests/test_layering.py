@@ -158,11 +158,14 @@ def test_no_cycle_either_counting_the_imports_made_for_types_only():
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
-def test_no_engine_adapter_imports_the_client():
+def test_no_engine_adapter_imports_the_client_and_the_syncer_sees_servers_only_through_the_fleet():
     graph = import_graph(PACKAGE, "areal_mcore", type_only=True)
     adapters = [m for m in graph if _in(m, "rollout.engines")]
     assert len(adapters) >= 4
     assert not {m for m in adapters if "areal_mcore.rollout.client" in graph[m]["all"]}
+    syncers = [m for m in graph if _in(m, "weight_sync")]
+    assert len(syncers) >= 5
+    assert not {m for m in syncers if "areal_mcore.rollout.client" in graph[m]["all"]}
 
 
 # Above the schema: the CLI, the launcher and the loops they start with a loaded config.

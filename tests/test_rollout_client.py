@@ -33,10 +33,10 @@ def test_kill_9_one_of_two_servers_mid_batch_loses_and_duplicates_nothing(tmp_pa
             tasks = [asyncio.ensure_future(one(i, j)) for i in range(64) for j in range(4)]
             while len(done) < 32:  # kill once the batch is well under way
                 await asyncio.sleep(0.01)
-            in_flight_on_victim = client.servers[0].in_flight
+            in_flight_on_victim = client.fleet.servers[0].in_flight
             servers[0].kill()
             out = await asyncio.gather(*tasks)
-            return out, in_flight_on_victim, [s.healthy for s in client.servers]
+            return out, in_flight_on_victim, [s.healthy for s in client.fleet.servers]
 
     with embedded_servers(model, str(tmp_path / "logs"), n=2) as servers:
         out, in_flight_on_victim, healthy = asyncio.run(run(servers))
@@ -203,7 +203,7 @@ def test_servers_sglang_cannot_update_over_distributed_are_refused_by_name():
     import pytest
     from aiohttp import web
 
-    from areal_mcore.rollout.client import RolloutError
+    from areal_mcore.rollout.protocol import RolloutError
 
     def app(dp, pp):
         async def info(request):
@@ -217,7 +217,7 @@ def test_servers_sglang_cannot_update_over_distributed_are_refused_by_name():
         try:
             async with RolloutClient(ClientConfig(addresses=addresses)) as client:
                 with pytest.raises(RolloutError) as e:
-                    client.check_distributed_updates()
+                    client.engine.updater(client.fleet).check_distributed(pp_size=1)
                 return addresses, e.value
         finally:
             for r in runners:

@@ -169,21 +169,22 @@ async def _drive_client(sglang: SGLang) -> tuple[list, tuple]:
             for mode in ("abort", "retract", "in_place"):
                 await client.pause(mode=mode)
             await client.continue_()
-            await client.flush_cache()
+            await client.engine.flush_cache(client.fleet)
             await client.abort_all()
-            # The weight update as the syncer drives it (weight_sync/syncer.py).
-            group = client.group_spec(master_address="127.0.0.1", master_port=1, group_name="g",
-                                      backend="gloo")
-            await client.engine.init_group(client, group)
-            await client.begin_update("abort")
+            # The weight update as the syncer drives it (weight_sync/distributed.py, disk.py).
+            updater = client.engine.updater(client.fleet)
+            group = updater.group_spec(master_address="127.0.0.1", master_port=1, group_name="g",
+                                       backend="gloo")
+            await updater.init_group(group)
+            await updater.begin("abort")
             for flatten in (False, True):
-                await client.update_bucket(names=["a"], dtypes=["bfloat16"], shapes=[[2]], group=group,
-                                           flatten=flatten, weight_version="4")
-            await client.end_weight_update()
-            await client.end_weight_update(best_effort=True)
-            await client.destroy_weights_update_group("g", backend="gloo")
-            await client.update_weights_from_disk("/x", weight_version="5")
-            world = client.weight_group_world_size()
+                await updater.receive_bucket(names=["a"], dtypes=["bfloat16"], shapes=[[2]],
+                                             group=group, flatten=flatten, weight_version="4")
+            await updater.finish("abort", "4")
+            await updater.end(best_effort=True)
+            await updater.destroy_group(group)
+            await updater.from_disk("/x", "5", "abort")
+            world = group.world_size
     finally:
         await runner.cleanup()
     return seen, (c, versions, world)
@@ -239,8 +240,8 @@ def _trainer(port: int, name: str, queue) -> None:
     # rendezvous would then join the agent's store instead of hosting the group's.
     os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     from areal_mcore.rollout.weights import ReusableBuffer
+    from areal_mcore.weight_sync.distributed import pack_bucket
     from areal_mcore.weight_sync.group import destroy_update_group, init_update_group
-    from areal_mcore.weight_sync.syncer import pack_bucket
 
     pg = init_update_group(master_address="127.0.0.1", master_port=port, world_size=3,
                            group_name=name, backend="gloo", timeout_s=60)

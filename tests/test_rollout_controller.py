@@ -78,7 +78,8 @@ async def _train_steps(ctrl, client, model, steps, bs, ofp, seen):
         # "train", then publish version v + 1: pause, load, resume, and only then tell the
         # controller (admission must never count against weights the servers lack).
         await ctrl.pause()
-        await client.update_weights_from_disk(model, weight_version=str(v + 1))
+        await client.fleet.all("POST", "/update_weights_from_disk",
+                               {"model_path": model, "weight_version": str(v + 1)})
         await ctrl.resume()
         ctrl.set_version(v + 1)
 

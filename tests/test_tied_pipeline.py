@@ -58,10 +58,11 @@ def test_pp2_tied_embeddings_train_and_export_equal_pp1(pp1, tmp_path):
 
 
 def _sync_worker(rank, world, address):
-    from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncer
+    from areal_mcore.weight_sync import weight_syncer
+    from areal_mcore.weight_sync.config import WeightSyncConfig
 
     actor = tiny_actor(pp=2, tie=True)
-    syncer = WeightSyncer(WeightSyncConfig(bucket_mb=0.02, dtype="float32", master_address="127.0.0.1",
+    syncer = weight_syncer(WeightSyncConfig(bucket_mb=0.02, dtype="float32", master_address="127.0.0.1",
                                            timeout_s=60), actor, [address])
 
     async def go():

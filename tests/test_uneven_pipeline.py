@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.multirank, pytest.mark.server]
 
 def _worker(rank, world, pp, first, hf_dir, address):
     from areal_mcore.convert.save_hf import save_hf
-    from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncer
+    from areal_mcore.weight_sync import weight_syncer
+    from areal_mcore.weight_sync.config import WeightSyncConfig
 
     actor = tiny_actor(pp=pp, cap=24, layers=6, first_stage_layers=first)
     n_local = len(actor.model.module.decoder.layers)
@@ -28,7 +29,7 @@ def _worker(rank, world, pp, first, hf_dir, address):
     out = actor.train_batch(pack(s, train_fields(s)), ppo_loss, n_minibatches=2)
     save_hf(actor, hf_dir, max_shard_bytes=100_000)
     if address is not None:
-        syncer = WeightSyncer(WeightSyncConfig(bucket_mb=0.02, dtype="float32", master_address="127.0.0.1",
+        syncer = weight_syncer(WeightSyncConfig(bucket_mb=0.02, dtype="float32", master_address="127.0.0.1",
                                                timeout_s=60), actor, [address])
 
         async def go():

@@ -116,14 +116,15 @@ def _sync_worker(rank, world, tp, pp, addresses, versions, disk_dir=None):
     from _actor_setup import tiny_actor
 
     from areal_mcore.packing import pack
-    from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncer
+    from areal_mcore.weight_sync import weight_syncer
+    from areal_mcore.weight_sync.config import WeightSyncConfig
 
     actor = tiny_actor(tp=tp, pp=pp, shape=VLLM_SHAPE)
     # ~70 KB buckets: several buckets per stage
     cfg = WeightSyncConfig(bucket_mb=0.07, dtype="float32", master_address="127.0.0.1",
                            timeout_s=120, mode="disk" if disk_dir else "distributed",
                            disk_dir=disk_dir)
-    syncer = WeightSyncer(cfg, actor, addresses, backend="vllm")
+    syncer = weight_syncer(cfg, actor, addresses, backend="vllm")
     checks = []
 
     async def go():
@@ -214,10 +215,11 @@ NEW = 768
 def _sync_while_generating_worker(rank, world, addresses, new_version):
     from _actor_setup import tiny_actor
 
-    from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncer
+    from areal_mcore.weight_sync import weight_syncer
+    from areal_mcore.weight_sync.config import WeightSyncConfig
 
     actor = tiny_actor(tp=2, shape=VLLM_SHAPE)
-    syncer = WeightSyncer(WeightSyncConfig(dtype="float32", master_address="127.0.0.1",
+    syncer = weight_syncer(WeightSyncConfig(dtype="float32", master_address="127.0.0.1",
                                            timeout_s=120), actor, addresses, backend="vllm")
 
     async def go():

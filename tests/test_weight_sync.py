@@ -18,7 +18,8 @@ from _tiny_model import tiny_qwen2
 
 from areal_mcore.model.args import ModelArgs
 from areal_mcore.weight_sync.buckets import assign_buckets, make_plan
-from areal_mcore.weight_sync.syncer import WeightSyncConfig, WeightSyncError
+from areal_mcore.weight_sync.config import WeightSyncConfig
+from areal_mcore.weight_sync.syncer import WeightSyncError
 
 pytestmark = pytest.mark.server
 
@@ -29,13 +30,13 @@ def _sync_worker(rank, world, tp, pp, addresses, version, bucket_mb, flatten, di
     from _actor_setup import tiny_actor
 
     from areal_mcore.packing import pack
-    from areal_mcore.weight_sync.syncer import WeightSyncer
+    from areal_mcore.weight_sync import weight_syncer
 
     actor = tiny_actor(tp=tp, pp=pp)  # weights of tiny_qwen2(seed 0); the servers hold seed 21
     cfg = WeightSyncConfig(bucket_mb=bucket_mb, dtype="float32", flatten=flatten,
                            master_address="127.0.0.1", timeout_s=60,
                            mode="disk" if disk_dir else "distributed", disk_dir=disk_dir)
-    syncer = WeightSyncer(cfg, actor, addresses)
+    syncer = weight_syncer(cfg, actor, addresses)
 
     async def go():
         await syncer.connect()
@@ -43,9 +44,10 @@ def _sync_worker(rank, world, tp, pp, addresses, version, bucket_mb, flatten, di
         await syncer.close()
         return stats
     stats = asyncio.run(go())
-    plan = syncer.plan() if syncer.is_sender else None
+    head = actor.groups.tp_rank == 0 and actor.groups.dp_rank == 0  # of its stage
+    plan = syncer.plan() if head and not disk_dir else None
     hf = actor.hf_state_dict()  # collective over TP; the stage head keeps it
-    hf = {k: v.clone() for k, v in hf.items()} if syncer.is_sender else {}
+    hf = {k: v.clone() for k, v in hf.items()} if head else {}
     # Greedy continuation from server 0, then the actor's logprobs of the same tokens.
     box = [None]
     if rank == 0:
@@ -131,12 +133,12 @@ def test_plan_keeps_tensors_whole_and_gives_an_oversized_one_its_own_bucket():
 def _killing_worker(rank, world, addresses, victim):
     from _actor_setup import tiny_actor
 
-    from areal_mcore.weight_sync.syncer import WeightSyncer
+    from areal_mcore.weight_sync import weight_syncer
 
     actor = tiny_actor()
     cfg = WeightSyncConfig(bucket_mb=1e-6, dtype="float32", flatten=False,  # one tensor per bucket
                            master_address="127.0.0.1", timeout_s=10)
-    syncer = WeightSyncer(cfg, actor, addresses)
+    syncer = weight_syncer(cfg, actor, addresses)
     n_buckets = len(syncer.plan().buckets)
 
     async def go():
@@ -193,11 +195,11 @@ def _unsent_bucket_worker(rank, world, addresses):
     a dead peer is found first): the server was told to receive that bucket."""
     from _actor_setup import tiny_actor
 
-    from areal_mcore.weight_sync.syncer import WeightSyncer
+    from areal_mcore.weight_sync import weight_syncer
 
     cfg = WeightSyncConfig(bucket_mb=1e-6, dtype="float32", flatten=False,
                            master_address="127.0.0.1", timeout_s=60)
-    syncer = WeightSyncer(cfg, tiny_actor(), addresses)
+    syncer = weight_syncer(cfg, tiny_actor(), addresses)
     sent = syncer._broadcast
 
     def broadcast(payload):
@@ -239,12 +241,12 @@ def _push_twice_worker(rank, world, addresses):
     """A push that fails mid-bucket on one server, then the next push."""
     from _actor_setup import tiny_actor
 
-    from areal_mcore.weight_sync.syncer import WeightSyncer
+    from areal_mcore.weight_sync import weight_syncer
 
     actor = tiny_actor()
     cfg = WeightSyncConfig(bucket_mb=0.02, dtype="float32", flatten=True,
                            master_address="127.0.0.1", timeout_s=60)
-    syncer = WeightSyncer(cfg, actor, addresses)
+    syncer = weight_syncer(cfg, actor, addresses)
 
     async def go():
         await syncer.connect()
@@ -290,11 +292,11 @@ def _refused_bucket_worker(rank, world, addresses):
     """A push that one server refuses before its receive, then the next push."""
     from _actor_setup import tiny_actor
 
-    from areal_mcore.weight_sync.syncer import WeightSyncer
+    from areal_mcore.weight_sync import weight_syncer
 
     actor = tiny_actor()
     # The group's timeout is 120 s, a bucket's broadcast may take 60 s.
-    syncer = WeightSyncer(WeightSyncConfig(dtype="float32", master_address="127.0.0.1",
+    syncer = weight_syncer(WeightSyncConfig(dtype="float32", master_address="127.0.0.1",
                                            timeout_s=120), actor, addresses)
 
     async def go():
@@ -337,7 +339,7 @@ def _stale_session_worker(rank, world, addresses):
 
     async def go():
         async with RolloutClient(ClientConfig(addresses=addresses)) as client:
-            await client.begin_update("abort")  # pause, then the session
+            await client.engine.updater(client.fleet).begin("abort")  # pause, then the session
     asyncio.run(go())
 
 
@@ -385,7 +387,7 @@ def _sync_while_generating_worker(rank, world, addresses):
 
     from areal_mcore.rollout.client import ClientConfig, RolloutClient
     from areal_mcore.rollout.protocol import SamplingParams
-    from areal_mcore.weight_sync.syncer import WeightSyncer
+    from areal_mcore.weight_sync import weight_syncer
 
     actor = tiny_actor()
     out = {}
@@ -396,7 +398,7 @@ def _sync_while_generating_worker(rank, world, addresses):
         for version, mode in enumerate(("abort", "retract", "in_place"), start=1):
             cfg = WeightSyncConfig(dtype="float32", master_address="127.0.0.1", timeout_s=60,
                                    pause_mode=mode)
-            syncer = WeightSyncer(cfg, actor, addresses)
+            syncer = weight_syncer(cfg, actor, client.fleet)  # shared, as on the trainer's rank 0
             await syncer.connect()
             sampling = SamplingParams(max_new_tokens=48, ignore_eos=True)
             steps = _decode_steps(addresses[0])
@@ -435,9 +437,9 @@ def test_a_sync_while_requests_generate_tags_every_token_with_its_version_in_eac
 def _refused_connect_worker(rank, world, addresses):
     from _actor_setup import tiny_actor
 
-    from areal_mcore.weight_sync.syncer import WeightSyncer
+    from areal_mcore.weight_sync import weight_syncer
 
-    syncer = WeightSyncer(WeightSyncConfig(dtype="float32", master_address="127.0.0.1", timeout_s=120),
+    syncer = weight_syncer(WeightSyncConfig(dtype="float32", master_address="127.0.0.1", timeout_s=120),
                           tiny_actor(), addresses)
 
     async def go():

@@ -16,7 +16,6 @@ with its own earlier attempt whose abort has not finished ("Duplicate request ID
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -26,13 +25,9 @@ import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from areal_mcore.rollout.engines import engine_for
-from areal_mcore.rollout.engines.base import GroupSpec
-from areal_mcore.rollout.engines.sglang import token_versions  # noqa: F401 (re-exported)
-from areal_mcore.rollout.fleet import Server
-from areal_mcore.rollout.protocol import RolloutError, SamplingParams  # noqa: F401 (RolloutError re-exported)
+from areal_mcore.rollout.fleet import OK, Fleet, Server, TransientError
+from areal_mcore.rollout.protocol import RolloutError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +74,20 @@ class _Retryable(Exception):
 
 
 class RolloutClient:
-    """Use as ``async with RolloutClient(cfg) as client:``."""
+    """Use as ``async with RolloutClient(cfg) as client:``. ``fleet``: servers to share
+    (the trainer's weight syncer uses the same), else the client makes its own from ``cfg``."""
 
-    def __init__(self, cfg: ClientConfig):
+    def __init__(self, cfg: ClientConfig, fleet: Fleet | None = None):
         self.cfg = cfg
         self.engine = engine_for(cfg.backend)
-        self.servers = [Server(a) for a in cfg.addresses]
+        self._owns_fleet = fleet is None
+        self.fleet = fleet or Fleet(cfg.addresses, api_key=cfg.api_key,
+                                    max_connections=cfg.max_connections,
+                                    keepalive_s=cfg.keepalive_s, dead_engine=self.engine.dead_engine)
         self._cancelled: set[str] = set()
         self._wire: dict[str, tuple[Server, str]] = {}  # rid -> (server, wire rid) in flight
         self._background: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None  # _watch_stalls
-        self._session: aiohttp.ClientSession | None = None
         # group key -> the server its first sample went to (most recent groups only)
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._rates: deque[float] = deque(maxlen=256)  # tokens/s of recent finished attempts
@@ -102,11 +100,9 @@ class RolloutClient:
         await self.close()
 
     async def start(self) -> None:
-        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
-        self._session = aiohttp.ClientSession(
-            headers=headers, connector=aiohttp.TCPConnector(limit=self.cfg.max_connections,
-                                           keepalive_timeout=self.cfg.keepalive_s))
-        await asyncio.gather(*[self._detect(s) for s in self.servers])
+        if self._owns_fleet:
+            await self.fleet.start()
+            await self.engine.detect_all(self.fleet)
         self._watchdog = asyncio.ensure_future(self._watch_stalls())
 
     async def close(self) -> None:
@@ -117,12 +113,8 @@ class RolloutClient:
         for task in list(self._background):  # background aborts of timed-out requests
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def _detect(self, s: Server) -> None:
-        await self.engine.detect(self, s)
+        if self._owns_fleet:
+            await self.fleet.close()
 
     # ---- generation --------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *,
@@ -152,9 +144,8 @@ class RolloutClient:
             server.in_flight += 1
             self._wire[c.rid] = (server, f"{c.rid}.{wire}")
             sent = time.monotonic()
-            attempt = asyncio.ensure_future(self._request(
-                server, "POST", path, body, timeout=self.deadline(remaining), retryable=True,
-                wire_rid=f"{c.rid}.{wire}"))
+            attempt = asyncio.ensure_future(self._attempt(
+                server, path, body, timeout=self.deadline(remaining), wire_rid=f"{c.rid}.{wire}"))
             server.attempts.add(attempt)
             try:
                 try:
@@ -194,7 +185,7 @@ class RolloutClient:
 
     def deadline(self, tokens: int) -> float:
         """How long an attempt to generate up to ``tokens`` may take before it is retried
-        elsewhere (a timeout: ``_request`` aborts it there): ``tokens`` at the floor rate,
+        elsewhere (a timeout: ``_attempt`` aborts it there): ``tokens`` at the floor rate,
         1/slow_factor of the median rate of the last attempts (queueing and prefill
         included), at least min_deadline_s; request_timeout_s until 16 are measured."""
         if not self.cfg.slow_factor or len(self._rates) < 16:
@@ -207,13 +198,13 @@ class RolloutClient:
         server with the fewest requests in flight, preferring untried ones."""
         if group is not None:
             address = self._affinity.get(group)
-            pinned = [s for s in self.servers if s.address == address and s.healthy
+            pinned = [s for s in self.fleet.servers if s.address == address and s.healthy
                       and s.address not in failed]
             if pinned:
                 self._affinity.move_to_end(group)
                 return pinned[0]
         for _ in range(2):
-            ok = [s for s in self.servers if s.healthy]
+            ok = [s for s in self.fleet.servers if s.healthy]
             fresh = [s for s in ok if s.address not in failed]
             if fresh or ok:
                 chosen = min(fresh or ok, key=lambda s: s.in_flight)
@@ -222,7 +213,9 @@ class RolloutClient:
                     while len(self._affinity) > 65536:
                         self._affinity.popitem(last=False)
                 return chosen
-            await self.check_health()
+            # Within the stall probe's budget: with no healthy server left, generate's
+            # last try waits on this twice before it gives up.
+            await self.fleet.check_health(timeout=min(10.0, self.cfg.stall_probe_s))
         raise RolloutError(f"no healthy rollout server among {self.cfg.addresses}")
 
     async def _watch_stalls(self) -> None:
@@ -231,11 +224,11 @@ class RolloutClient:
         retries it on another server (from what it generated, as after an abort)."""
         while True:
             await asyncio.sleep(min(10.0, self.cfg.stall_after_s / 2))
-            for s in self.servers:
+            for s in self.fleet.servers:
                 quiet = time.monotonic() - s.last_answer
                 if not (s.healthy and s.in_flight and quiet > self.cfg.stall_after_s):
                     continue
-                if await self._answers_health(s, self.cfg.stall_probe_s):
+                if await self.fleet.probe(s, self.cfg.stall_probe_s) == OK:
                     s.last_answer = time.monotonic()  # alive: long generations, no answer yet
                     continue
                 s.healthy, s.stalled = False, True
@@ -245,202 +238,42 @@ class RolloutClient:
                 for attempt in list(s.attempts):
                     attempt.cancel()
 
-    async def _answers_health(self, s: Server, timeout: float) -> bool:
+    async def _attempt(self, s: Server, path: str, body: dict, *, timeout: float, wire_rid: str):
+        """One generate attempt; what another server may serve raises ``_Retryable``."""
         try:
-            async with self._session.get(f"http://{s.address}/health",
-                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
-
-    def stalled_servers(self) -> list[str]:
-        return [s.address for s in self.servers if s.stalled]
-
-    async def dead_servers(self, known: list[str] = ()) -> list[str]:
-        """``known`` and the other servers a ``/health`` probe finds gone: a refused
-        connection or an engine that says it is dead (a slow answer, a timeout or another
-        HTTP error is not)."""
-        async def probe(s: Server) -> bool:
-            s.healthy = True  # _request sets it to False for a refused connection or a dead engine
-            with contextlib.suppress(RolloutError):
-                await self.request(s, "GET", "/health", timeout=30, parse=False)
-            return s.healthy
-        known = [s.address for s in self.servers if s.address in known]  # not those dropped already
-        probed = [s for s in self.servers if s.address not in known]
-        alive = await asyncio.gather(*[probe(s) for s in probed])
-        return [*known, *(s.address for s, ok in zip(probed, alive, strict=True) if not ok)]
-
-    def drop(self, addresses: list[str]) -> None:
-        """Takes servers out of this client for good (dead ones the weight sync left behind:
-        back at the same address they would serve old weights)."""
-        self.servers = [s for s in self.servers if s.address not in addresses]
-        for key in [k for k, a in self._affinity.items() if a in addresses]:
-            del self._affinity[key]
-
-    async def check_health(self) -> list[bool]:
-        """Probes ``/health`` on every server and marks each healthy or not."""
-        async def probe(s: Server) -> bool:
-            try:
-                # Within the stall probe's budget: with no healthy server left, generate's
-                # last try waits on this twice before it gives up.
-                await self._request(s, "GET", "/health", timeout=min(10.0, self.cfg.stall_probe_s), parse=False)
-                s.healthy, s.stalled = True, False
-            except RolloutError:
-                s.healthy = False
-            return s.healthy
-        return list(await asyncio.gather(*[probe(s) for s in self.servers]))
-
-    async def request(self, s: Server, method: str, path: str, body: dict | None = None, *,
-                      timeout: float, parse: bool = True):
-        """One call to one server (for engines); HTTP errors raise ``RolloutError``.
-
-        Control calls go out on a connection of their own (``Connection: close``): uvicorn
-        closes a keep-alive connection after an error response (vLLM answers 500 to a
-        best-effort ``/finish_weight_update``), and the next call reusing it was reset
-        ("Connection reset by peer" on ``/init_weight_transfer_engine``)."""
-        return await self._request(s, method, path, body, timeout=timeout, parse=parse,
-                                   close=True)
-
-    async def _request(self, s: Server, method: str, path: str, body: dict | None = None, *,
-                       timeout: float, retryable: bool = False, parse: bool = True,
-                       wire_rid: str | None = None, close: bool = False):
-        url = f"http://{s.address}{path}"
-        headers = {"Connection": "close"} if close else None
-        try:
-            async with self._session.request(method, url, json=body, headers=headers,
-                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                text = await r.text()
-                if r.status >= 400 and self.engine.dead_engine(r.status, text):
-                    s.healthy = False  # e.g. vLLM's EngineDeadError: the server is gone
-                    if retryable:
-                        raise _Retryable(f"engine dead: HTTP {r.status}: {text[:200]}")
-                if r.status >= 500 and retryable:
-                    raise _Retryable(f"HTTP {r.status}: {text[:200]}")
-                if r.status >= 400:
-                    raise RolloutError(f"{s.address}{path}: HTTP {r.status}: {text[:500]}")
-                if not parse or not text or r.content_type != "application/json":
-                    return text  # e.g. flush_cache answers in plain text
-                return await r.json()
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
-            s.healthy = isinstance(e, asyncio.TimeoutError)  # a timeout is slow, not dead
-            if isinstance(e, asyncio.TimeoutError) and wire_rid is not None:
+            return await self.fleet.request(s, "POST", path, body, timeout=timeout, control=False)
+        except TransientError as e:
+            if e.timed_out:
                 # The server may still be generating it; free its slot there (the retry
                 # goes out under a new wire rid, so it cannot collide with this one).
                 task = asyncio.ensure_future(self._abort_on(s, wire_rid))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
-            if retryable:
-                raise _Retryable(f"{type(e).__name__}: {e}") from None
-            raise RolloutError(f"{s.address}{path}: {type(e).__name__}: {e}") from None
+            raise _Retryable(str(e)) from None
 
     async def _abort_on(self, s: Server, rid: str) -> None:
         try:
-            await self.engine.abort(self, s, rid)
+            await self.engine.abort(self.fleet, s, rid)
         except RolloutError:
             pass
 
-    # ---- fleet control (the engine's protocol) -------------------------------------------
-    async def all(self, method: str, path: str, body: dict | None = None, *,
-                  servers: list[Server] | None = None, timeout: float = 600.0,
-                  fail_fast: bool = False) -> list:
-        """The same call on every server (by default those not found stalled: they answer
-        nothing, and waiting on them is what the watchdog is for), concurrently; every
-        failure is reported (``fail_fast``: those up to the first, see ``each``)."""
-        servers = [s for s in self.servers if not s.stalled] if servers is None else servers
-        return await self.each(servers, [self._request(s, method, path, body, timeout=timeout,
-                                                       close=True) for s in servers],
-                               fail_fast=fail_fast)
-
-    @staticmethod
-    async def each(servers: list[Server], calls: list, *, fail_fast: bool = False) -> list:
-        """Awaits one call per server; raises one RolloutError naming every server that
-        failed. ``fail_fast``: the first failure cancels the calls still running (a weight
-        bucket: the other servers answer only after a broadcast that cannot complete)."""
-        tasks = [asyncio.ensure_future(c) for c in calls]
-        if fail_fast and tasks:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in tasks:
-                t.cancel()  # a no-op on the finished ones
-        out = await asyncio.gather(*tasks, return_exceptions=True)
-        failed = [(s, e) for s, e in zip(servers, out)
-                  if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
-        if failed:
-            cancelled = sum(isinstance(e, asyncio.CancelledError) for e in out)
-            note = f" ({cancelled} other server(s)' calls cancelled)" if cancelled else ""
-            raise RolloutError("; ".join(str(e) for _, e in failed) + note,
-                               [s.address for s, _ in failed])
-        return list(out)
-
+    # ---- generation control (the engine's protocol) --------------------------------------
     async def abort(self, rid: str) -> None:
         """Cancels one request; ``generate`` then returns it as aborted."""
         self._cancelled.add(rid)
         if rid in self._wire:
             server, wire = self._wire[rid]
-            await self.engine.abort(self, server, wire)
+            await self.engine.abort(self.fleet, server, wire)
 
     async def abort_all(self) -> None:
-        await self.engine.abort_all(self)
+        await self.engine.abort_all(self.fleet)
 
     async def pause(self, mode: str = "abort") -> None:
-        await self.engine.pause(self, mode)
+        await self.engine.pause(self.fleet, mode)
 
     async def continue_(self) -> None:
-        await self.engine.resume(self)
-
-    async def flush_cache(self) -> None:
-        await self.engine.flush_cache(self)
+        await self.engine.resume(self.fleet)
 
     async def weight_versions(self) -> list[str]:
         """Every server's weight version."""
-        return await self.engine.weight_versions(self)
-
-    def weight_group_world_size(self) -> int:
-        return self.engine.group_world_size(self)
-
-    def check_distributed_updates(self, pp_size: int = 1) -> None:
-        self.engine.check_distributed_updates(self, pp_size)
-
-    def group_spec(self, *, master_address: str, master_port: int, group_name: str,
-                   backend: str, stage: int = 0) -> GroupSpec:
-        """The group of one stage: trainer rank 0, each server's TP ranks after it."""
-        offsets, off = [], 1
-        for s in self.servers:
-            offsets.append(off)
-            off += s.tp_size
-        return GroupSpec(master_address=master_address, master_port=master_port,
-                         group_name=group_name, backend=backend, stage=stage,
-                         rank_offsets=offsets, world_size=self.weight_group_world_size())
-
-    async def destroy_weights_update_group(self, group_name: str, *, backend: str) -> None:
-        await self.engine.destroy_group(self, group_name, backend)
-
-    async def begin_update(self, pause_mode: str) -> None:
-        """Pauses generation and opens an update session on every server."""
-        await self.engine.begin_update(self, pause_mode)
-
-    async def finish_update(self, pause_mode: str, version: str) -> None:
-        """Closes the session, makes the servers report ``version`` and resumes them."""
-        await self.engine.finish_update(self, pause_mode, version)
-
-    async def end_weight_update(self, *, best_effort: bool = False) -> None:
-        """Closes the update session. ``best_effort``: on every server, ignoring refusals
-        (a server without an open session says so), to leave no session open after a
-        failure or one left by a trainer that died mid-update."""
-        await self.engine.end_update(self, best_effort=best_effort)
-
-    async def update_bucket(self, *, names: list[str], dtypes: list[str],
-                            shapes: list[list[int]], group: GroupSpec, flatten: bool,
-                            weight_version: str | None = None) -> None:
-        await self.engine.update_bucket(self, names=names, dtypes=dtypes, shapes=shapes,
-                                        group=group, flatten=flatten,
-                                        weight_version=weight_version)
-
-    async def update_weights_from_disk(self, model_path: str, *,
-                                       weight_version: str | None = None,
-                                       pause_mode: str | None = None) -> None:
-        """Loads an HF export; with ``pause_mode``, paused around it."""
-        if pause_mode is None:
-            await self.all("POST", "/update_weights_from_disk",
-                           {"model_path": model_path, "weight_version": weight_version})
-            return
-        await self.engine.update_from_disk(self, model_path, str(weight_version), pause_mode)
+        return await self.engine.weight_versions(self.fleet)

@@ -1,15 +1,20 @@
-"""What an engine adapter (``rollout/engines/``) sees of the rollout servers: their list
-and the calls it makes on them. ``RolloutClient`` is the fleet the run uses; adapters
-depend on this interface, never on the client, so imports run one way: client ->
-engines -> fleet (``tests/test_layering.py``)."""
+"""The rollout servers as one fleet: their list, calls to one or all of them, health, and
+the bookkeeping of which are stalled or gone. Engine adapters (``rollout/engines/``) speak
+through it; the rollout client (generation) and the weight syncer (updates) use it, and on
+the trainer's rank 0 they share one, so a server either of them finds gone is gone for
+both. Imports run one way: client / syncer -> engines -> fleet (``tests/test_layering.py``).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
-from areal_mcore.rollout.protocol import LAST_OLD_API
+import aiohttp
+
+from areal_mcore.rollout.protocol import LAST_OLD_API, RolloutError
 
 
 @dataclass
@@ -33,17 +38,154 @@ class Server:
         return (0, 0, 0) < self.version <= LAST_OLD_API
 
 
-class Fleet(Protocol):
-    servers: list[Server]
+class TransientError(RolloutError):
+    """A call that another server (or a later try) may serve: a 5xx, a lost connection,
+    a timeout (``timed_out``: the server may still be working on it), a gone server
+    (``gone``: a refused connection or an engine that says it is dead)."""
 
+    def __init__(self, message: str, failed: list[str], *, timed_out: bool = False,
+                 gone: bool = False):
+        super().__init__(message, failed)
+        self.timed_out, self.gone = timed_out, gone
+
+
+# What a /health probe found: answered 200, answered otherwise or too late (alive but
+# slow or busy), or gone (a refused connection or an engine that says it is dead).
+OK, SLOW, GONE = "ok", "slow", "gone"
+
+
+class Fleet:
+    """Use ``await fleet.start()`` / ``await fleet.close()`` (or ``async with``).
+
+    Two connection pools: generation's, capped at ``max_connections``, and control calls'
+    (pause, weight updates, health), uncapped and one connection per call. A weight update
+    with pause mode ``in_place`` keeps every generate request open, so a capped pool full
+    of them would never free a connection for the update that ends their pause. One
+    connection per control call: uvicorn closes a keep-alive connection after an error
+    response (vLLM answers 500 to a best-effort ``/finish_weight_update``), and the next
+    call reusing it was reset ("Connection reset by peer" on ``/init_weight_transfer_engine``).
+    """
+
+    def __init__(self, addresses: list[str], *, api_key: str | None = None,
+                 max_connections: int = 1024, keepalive_s: float = 2.0,
+                 dead_engine: Callable[[int, str], bool] = lambda status, text: False):
+        if not addresses:
+            raise ValueError("rollout.client.addresses is empty: launch servers first")
+        self.addresses = list(addresses)
+        self.servers = [Server(a) for a in addresses]
+        self.api_key, self.max_connections, self.keepalive_s = api_key, max_connections, keepalive_s
+        self.dead_engine = dead_engine  # the engine's: an HTTP error that means it is gone
+        self._generation: aiohttp.ClientSession | None = None
+        self._control: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Fleet:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # uvicorn (vLLM's and SGLang's server) closes idle keep-alive connections after
+        # 5 s; one it is closing fails a request sent on it: idle ones go after keepalive_s.
+        self._generation = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(
+            limit=self.max_connections, keepalive_timeout=self.keepalive_s))
+        self._control = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(
+            limit=0, force_close=True))
+
+    async def close(self) -> None:
+        for session in (self._generation, self._control):
+            if session is not None:
+                await session.close()
+        self._generation = self._control = None
+
+    # ---- calls -------------------------------------------------------------------------
     async def request(self, s: Server, method: str, path: str, body: dict | None = None, *,
-                      timeout: float, parse: bool = True):
-        """One call to one server; HTTP errors raise ``RolloutError``."""
+                      timeout: float, parse: bool = True, control: bool = True):
+        """One call to one server. Errors raise ``RolloutError``, ``TransientError`` for
+        those another try may not meet; a refused connection or a dead engine marks the
+        server unhealthy (a timeout does not: slow is not gone)."""
+        session = self._control if control else self._generation
+        try:
+            async with session.request(method, f"http://{s.address}{path}", json=body,
+                                       timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                text = await r.text()
+                if r.status >= 400 and self.dead_engine(r.status, text):
+                    s.healthy = False  # e.g. vLLM's EngineDeadError
+                    raise TransientError(f"{s.address}{path}: engine dead: HTTP {r.status}: "
+                                         f"{text[:200]}", [s.address], gone=True)
+                if r.status >= 400:
+                    kind = TransientError if r.status >= 500 else RolloutError
+                    raise kind(f"{s.address}{path}: HTTP {r.status}: {text[:500]}", [s.address])
+                if not parse or not text or r.content_type != "application/json":
+                    return text  # e.g. flush_cache answers in plain text
+                return await r.json()
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+            timed_out = isinstance(e, asyncio.TimeoutError)
+            s.healthy = timed_out
+            raise TransientError(f"{s.address}{path}: {type(e).__name__}: {e}", [s.address],
+                                 timed_out=timed_out, gone=not timed_out) from None
 
     async def all(self, method: str, path: str, body: dict | None = None, *,
                   servers: list[Server] | None = None, timeout: float = 600.0,
                   fail_fast: bool = False) -> list:
-        """The same call on every server (not stalled ones by default), concurrently."""
+        """The same call on every server (by default those not found stalled: they answer
+        nothing, and waiting on them is what the client's watchdog is for), concurrently;
+        every failure is reported (``fail_fast``: those up to the first, see ``each``)."""
+        servers = [s for s in self.servers if not s.stalled] if servers is None else servers
+        return await self.each(servers, [self.request(s, method, path, body, timeout=timeout)
+                                         for s in servers], fail_fast=fail_fast)
 
-    async def each(self, servers: list[Server], calls: list, *, fail_fast: bool = False) -> list:
-        """Awaits one call per server; one ``RolloutError`` names every server that failed."""
+    @staticmethod
+    async def each(servers: list[Server], calls: list, *, fail_fast: bool = False) -> list:
+        """Awaits one call per server; raises one RolloutError naming every server that
+        failed. ``fail_fast``: the first failure cancels the calls still running (a weight
+        bucket: the other servers answer only after a broadcast that cannot complete)."""
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        if fail_fast and tasks:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                t.cancel()  # a no-op on the finished ones
+        out = await asyncio.gather(*tasks, return_exceptions=True)
+        failed = [(s, e) for s, e in zip(servers, out)
+                  if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)]
+        if failed:
+            cancelled = sum(isinstance(e, asyncio.CancelledError) for e in out)
+            note = f" ({cancelled} other server(s)' calls cancelled)" if cancelled else ""
+            raise RolloutError("; ".join(str(e) for _, e in failed) + note,
+                               [s.address for s, _ in failed])
+        return list(out)
+
+    # ---- health ------------------------------------------------------------------------
+    async def probe(self, s: Server, timeout: float) -> str:
+        """``OK``, ``SLOW`` or ``GONE`` (see above); marks a gone server unhealthy only."""
+        try:
+            await self.request(s, "GET", "/health", timeout=timeout, parse=False)
+            return OK
+        except RolloutError as e:
+            return GONE if getattr(e, "gone", False) else SLOW
+
+    async def check_health(self, timeout: float = 10.0) -> list[bool]:
+        """Probes every server; those that answer are healthy (and no longer stalled)."""
+        found = await asyncio.gather(*[self.probe(s, timeout) for s in self.servers])
+        for s, f in zip(self.servers, found, strict=True):
+            s.healthy = f == OK
+            s.stalled = s.stalled and not s.healthy
+        return [f == OK for f in found]
+
+    def stalled_servers(self) -> list[str]:
+        return [s.address for s in self.servers if s.stalled]
+
+    async def gone_servers(self) -> list[str]:
+        """The stalled servers (a pause would wait on them) and those a ``/health`` probe
+        finds gone (a slow answer or another HTTP error is not)."""
+        probed = [s for s in self.servers if not s.stalled]
+        found = await asyncio.gather(*[self.probe(s, 30.0) for s in probed])
+        return [*self.stalled_servers(), *(s.address for s, f in zip(probed, found, strict=True)
+                                           if f == GONE)]
+
+    def drop(self, addresses: list[str]) -> None:
+        """Takes servers out of the fleet for good (gone ones the weight sync left behind:
+        back at the same address they would serve old weights)."""
+        self.servers = [s for s in self.servers if s.address not in addresses]

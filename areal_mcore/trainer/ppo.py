@@ -32,14 +32,14 @@ from areal_mcore.algo.config import PPOConfig
 from areal_mcore.config import ExperimentConfig
 from areal_mcore.convert.hf_files import load_hf_state_dict
 from areal_mcore.convert.save_hf import save_hf
-from areal_mcore.rollout.client import RolloutError
+from areal_mcore.rollout.protocol import RolloutError
 from areal_mcore.run_dir import RunDir
 from areal_mcore.trainer import stats as S
 from areal_mcore.trainer.batch import to_train_batch
 from areal_mcore.trainer.dispatch import Dispatcher
 from areal_mcore.trainer.event_loop import LoopThread
 from areal_mcore.trainer.rollout_side import RolloutSide
-from areal_mcore.weight_sync.syncer import WeightSyncer
+from areal_mcore.weight_sync import weight_syncer
 
 
 def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens):
@@ -163,8 +163,11 @@ class PPORun:
         g = self.actor.groups
         self.dispatcher = Dispatcher(dp_rank=g.dp_rank, dp_size=g.dp_size, mp_group=g.mp, world=dist.group.WORLD,
                                      control=self.control)
-        self.syncer = WeightSyncer(cfg.weight_sync, self.actor, addresses, api_key=cfg.server.api_key,
-                                   backend=cfg.server.backend)
+        # Rank 0 shares the rollout client's fleet: a server the sync finds gone gets no
+        # more work, and the sync skips those the rollout found stalled.
+        fleet = self.rollout_side.client.fleet if self.rollout_side is not None else addresses
+        self.syncer = weight_syncer(cfg.weight_sync, self.actor, fleet, api_key=cfg.server.api_key,
+                                    backend=cfg.server.backend)
         self.loop.run(self.syncer.connect())
         self.checkpointer = Checkpointer(CheckpointConfig(root=str(self.files.checkpoints)), group=dist.group.WORLD)
         resumed = self.checkpointer.load(self.actor)
@@ -245,18 +248,10 @@ class PPORun:
                      "dispatch/time_s": moved.pack_s + moved.send_s}
         return shard, stats
 
-    def _tell_syncer_the_stalled(self) -> None:
-        """Rank 0, the sync's coordinator: no pause or destroy waits on a stalled server."""
-        if self.rollout_side is not None:
-            self.syncer.stalled = self.loop.call(self.rollout_side.client.stalled_servers)
-
     def sync(self, version: int) -> dict:
-        self._tell_syncer_the_stalled()
         stats = self.loop.run(self.syncer.push(version))
         out = {"sync/time_s": stats.total_s, "sync/bytes": float(stats.bytes)}
         if self.rollout_side is not None:
-            if stats.dropped_servers:  # dead: they get no more work either (on the client's thread)
-                self.loop.call(self.rollout_side.client.drop, stats.dropped_servers)
             out["sync/server_versions"] = self.rollout_side.set_version(version)
         return out
 
@@ -364,7 +359,6 @@ class PPORun:
     def close(self, barrier: bool = True) -> None:
         # The syncer first: its update groups are torn down on servers that are still up.
         if self.syncer is not None:
-            self._tell_syncer_the_stalled()
             self.loop.run(self.syncer.close())
         if self.rollout_side is not None:
             self.rollout_side.close()

@@ -17,8 +17,9 @@ from functools import partial
 from areal_mcore.data.prompts import prompts_for
 from areal_mcore.data.sampler import EpochSampler
 from areal_mcore.reward.pool import RewardPool
-from areal_mcore.rollout.client import ClientConfig, RolloutClient, RolloutError
+from areal_mcore.rollout.client import ClientConfig, RolloutClient
 from areal_mcore.rollout.controller import RolloutBatch, RolloutController
+from areal_mcore.rollout.protocol import RolloutError
 from areal_mcore.rollout.servers import launch_servers
 from areal_mcore.run_dir import RunDir
 from areal_mcore.trainer.dispatch import SamplePacker

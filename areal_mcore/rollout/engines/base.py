@@ -7,13 +7,15 @@ each; everything that differs between engines sits behind ``Engine``: the launch
 the generate request and its response, pause/resume/abort, weight versions and the
 weight-update protocol. A new engine is a new module here, never a branch elsewhere.
 
-``fleet`` below is a ``rollout.fleet.Fleet`` (the run's is the ``RolloutClient``):
-engines send through its ``request`` (one server) and ``all`` (every server, every
-failure reported) and read its ``servers``; they never import the client.
+``fleet`` below is a ``rollout.fleet.Fleet``: engines send through its ``request`` (one
+server) and ``all`` (every server, every failure reported) and read its ``servers``; they
+never import the client or the syncer. The weight syncer drives an engine's
+``WeightUpdater``, which ``Engine.updater(fleet)`` hands it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -49,7 +51,7 @@ class GroupSpec:
 
 
 class Engine:
-    """One inference engine's protocol. Stateless: per-server state lives in the client."""
+    """One inference engine's protocol. Stateless: per-server state lives in the fleet."""
 
     name = "base"
 
@@ -65,6 +67,9 @@ class Engine:
     async def detect(self, fleet: Fleet, s: Server) -> None:
         """Fills the server's version and parallel sizes."""
         raise NotImplementedError
+
+    async def detect_all(self, fleet: Fleet) -> None:
+        await asyncio.gather(*[self.detect(fleet, s) for s in fleet.servers])
 
     def generate_request(self, s: Server, input_ids: list[int], params: SamplingParams,
                          wire_rid: str) -> tuple[str, dict]:
@@ -99,46 +104,69 @@ class Engine:
         raise NotImplementedError
 
     # ---- weight updates ----------------------------------------------------------------
-    def check_distributed_updates(self, fleet: Fleet, pp_size: int) -> None:
+    updater_class: type[WeightUpdater]
+
+    def updater(self, fleet: Fleet) -> WeightUpdater:
+        """The weight-update protocol on ``fleet``: what the weight syncer drives."""
+        return self.updater_class(self, fleet)
+
+
+class WeightUpdater:
+    """One engine's weight-update protocol on one fleet (``weight_sync/``): the group a
+    stage sends on, the update session, a bucket's receive, the new version. The syncer
+    sees the servers through this and nothing else."""
+
+    def __init__(self, engine: Engine, fleet: Fleet):
+        self.engine, self.fleet = engine, fleet
+
+    def check_distributed(self, pp_size: int) -> None:
         """Raises ``RolloutError`` for servers this engine cannot update over a group."""
 
-    def group_world_size(self, fleet: Fleet) -> int:
-        """Trainer rank 0 plus every server's receiving ranks."""
-        return 1 + sum(s.tp_size for s in fleet.servers)
-
-    def trainer_transport(self, backend: str) -> str:
+    def transport(self, backend: str) -> str:
         """What the trainer's end of the group is (``weight_sync/transport.py``)."""
         return "torch"
 
-    def flattened_buckets(self, backend: str) -> bool:
+    def flattened(self, backend: str) -> bool:
         """Whether a bucket may travel as one flat ``uint8`` broadcast."""
         return True
 
-    async def init_group(self, fleet: Fleet, spec: GroupSpec) -> None:
+    def group_spec(self, *, master_address: str, master_port: int, group_name: str,
+                   backend: str, stage: int = 0) -> GroupSpec:
+        """The group of one stage: trainer rank 0, each server's receiving ranks after it."""
+        offsets, off = [], 1
+        for s in self.fleet.servers:
+            offsets.append(off)
+            off += s.tp_size
+        return GroupSpec(master_address=master_address, master_port=master_port,
+                         group_name=group_name, backend=backend, stage=stage,
+                         rank_offsets=offsets, world_size=off)
+
+    async def init_group(self, spec: GroupSpec) -> None:
         """Blocks until every server joined; the trainer joins as rank 0 concurrently."""
         raise NotImplementedError
 
-    async def destroy_group(self, fleet: Fleet, group_name: str, backend: str) -> None:
+    async def destroy_group(self, spec: GroupSpec) -> None:
         raise NotImplementedError
 
-    async def begin_update(self, fleet: Fleet, pause_mode: str) -> None:
+    async def begin(self, pause_mode: str) -> None:
         """Pauses generation and opens an update session."""
         raise NotImplementedError
 
-    async def update_bucket(self, fleet: Fleet, *, names: list[str], dtypes: list[str],
-                            shapes: list[list[int]], group: GroupSpec, flatten: bool,
-                            weight_version: str | None) -> None:
-        """Servers receive one bucket by ``broadcast(src=0)`` while the trainer sends it."""
+    async def receive_bucket(self, *, names: list[str], dtypes: list[str],
+                             shapes: list[list[int]], group: GroupSpec, flatten: bool,
+                             weight_version: str | None) -> None:
+        """Every server of the group receives one bucket by ``broadcast(src=0)`` while the
+        trainer sends it; answers once they loaded it."""
         raise NotImplementedError
 
-    async def finish_update(self, fleet: Fleet, pause_mode: str, version: str) -> None:
+    async def finish(self, pause_mode: str, version: str) -> None:
         """Closes the session, makes the servers report ``version`` and resumes."""
         raise NotImplementedError
 
-    async def end_update(self, fleet: Fleet, *, best_effort: bool) -> None:
+    async def end(self, *, best_effort: bool) -> None:
         """Closes an open session (best effort: ignoring refusals, on every server)."""
         raise NotImplementedError
 
-    async def update_from_disk(self, fleet: Fleet, path: str, version: str,
-                               pause_mode: str) -> None:
+    async def from_disk(self, path: str, version: str, pause_mode: str) -> None:
+        """Loads an HF export, paused around it."""
         raise NotImplementedError

@@ -13,7 +13,7 @@ import asyncio
 import sys
 from typing import TYPE_CHECKING
 
-from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec
+from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec, WeightUpdater
 from areal_mcore.rollout.protocol import RolloutError, SamplingParams, parse_version
 
 if TYPE_CHECKING:
@@ -21,8 +21,76 @@ if TYPE_CHECKING:
     from areal_mcore.rollout.fleet import Fleet, Server
 
 
+class SGLangUpdater(WeightUpdater):
+    def check_distributed(self, pp_size: int) -> None:
+        """SGLang's ``update_weights_from_distributed`` asserts ``dp_size == 1`` and joins
+        TP rank r as ``rank_offset + r``: PP stages would take the same ranks."""
+        bad = [s for s in self.fleet.servers if s.dp_size != 1 or s.pp_size != 1]
+        if bad:
+            raise RolloutError(
+                "SGLang cannot receive update_weights_from_distributed on servers with "
+                "dp_size or pp_size > 1: "
+                f"{', '.join(f'{s.address} (dp_size={s.dp_size}, pp_size={s.pp_size})' for s in bad)}"
+                "; launch one server per data-parallel replica (rollout.server.n_servers) with "
+                "tp_size only, or use weight_sync.mode=disk", [s.address for s in bad])
+
+    async def init_group(self, spec: GroupSpec) -> None:
+        f = self.fleet
+        await f.each(f.servers, [f.request(s, "POST", "/init_weights_update_group", {
+            "master_address": spec.master_address, "master_port": spec.master_port,
+            "rank_offset": o, "world_size": spec.world_size, "group_name": spec.group_name,
+            "backend": spec.backend}, timeout=600)
+            for s, o in zip(f.servers, spec.rank_offsets, strict=True)])
+
+    async def destroy_group(self, spec: GroupSpec) -> None:
+        await self.fleet.all("POST", "/destroy_weights_update_group", {"group_name": spec.group_name})
+
+    async def begin(self, pause_mode: str) -> None:
+        await self.engine.pause(self.fleet, pause_mode)
+        await self.fleet.all("POST", "/begin_weight_update", {}, servers=self._sessions())
+
+    def _sessions(self) -> list[Server]:
+        """The servers with update sessions (0.5.20 and older have none)."""
+        return [s for s in self.fleet.servers if not s.old_api]
+
+    async def receive_bucket(self, *, names: list[str], dtypes: list[str],
+                             shapes: list[list[int]], group: GroupSpec, flatten: bool,
+                             weight_version: str | None) -> None:
+        """``load_format="flattened_bucket"``: one broadcast of the tensors back to back.
+        The new version rides on the last bucket, so a server that did not get everything
+        still reports the old one. ``fail_fast``: a refusal means the broadcast cannot
+        complete, and the other servers answer only after it (syncer ``_answers``).
+        Every member of the group, stalled or not: the broadcast waits for each."""
+        await self.fleet.all("POST", "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group.group_name,
+            "flush_cache": False, "weight_version": weight_version,
+            "load_format": "flattened_bucket" if flatten else None},
+            servers=self.fleet.servers, fail_fast=True)
+
+    async def finish(self, pause_mode: str, version: str) -> None:
+        # SGLang refuses /flush_cache while requests keep their cache (pause mode in_place).
+        if pause_mode != "in_place":
+            await self.engine.flush_cache(self.fleet)
+        await self.end(best_effort=False)
+        await self.engine.resume(self.fleet)
+
+    async def end(self, *, best_effort: bool) -> None:
+        if not best_effort:
+            await self.fleet.all("POST", "/end_weight_update", {}, servers=self._sessions())
+            return
+        await asyncio.gather(*[self.fleet.request(s, "POST", "/end_weight_update", {}, timeout=60)
+                               for s in self._sessions()], return_exceptions=True)
+
+    async def from_disk(self, path: str, version: str, pause_mode: str) -> None:
+        await self.engine.pause(self.fleet, pause_mode)
+        await self.fleet.all("POST", "/update_weights_from_disk",
+                             {"model_path": path, "weight_version": version})
+        await self.engine.resume(self.fleet)
+
+
 class SGLangEngine(Engine):
     name = "sglang"
+    updater_class = SGLangUpdater
 
     def command(self, cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
         cmd = [cfg.python or sys.executable, "-m", "sglang.launch_server",
@@ -84,68 +152,6 @@ class SGLangEngine(Engine):
         """Every server's version, from /model_info (on every SGLang version)."""
         infos = await fleet.all("GET", "/model_info", timeout=30)
         return [str(info["weight_version"]) for info in infos]
-
-    # ---- weight updates ----------------------------------------------------------------
-    def check_distributed_updates(self, fleet: Fleet, pp_size: int) -> None:
-        """SGLang's ``update_weights_from_distributed`` asserts ``dp_size == 1`` and joins
-        TP rank r as ``rank_offset + r``: PP stages would take the same ranks."""
-        bad = [s for s in fleet.servers if s.dp_size != 1 or s.pp_size != 1]
-        if bad:
-            raise RolloutError(
-                "SGLang cannot receive update_weights_from_distributed on servers with "
-                "dp_size or pp_size > 1: "
-                f"{', '.join(f'{s.address} (dp_size={s.dp_size}, pp_size={s.pp_size})' for s in bad)}"
-                "; launch one server per data-parallel replica (rollout.server.n_servers) with "
-                "tp_size only, or use weight_sync.mode=disk", [s.address for s in bad])
-
-    async def init_group(self, fleet: Fleet, spec: GroupSpec) -> None:
-        await fleet.each(fleet.servers, [fleet.request(s, "POST", "/init_weights_update_group", {
-            "master_address": spec.master_address, "master_port": spec.master_port,
-            "rank_offset": o, "world_size": spec.world_size, "group_name": spec.group_name,
-            "backend": spec.backend}, timeout=600)
-            for s, o in zip(fleet.servers, spec.rank_offsets, strict=True)])
-
-    async def destroy_group(self, fleet: Fleet, group_name: str, backend: str) -> None:
-        await fleet.all("POST", "/destroy_weights_update_group", {"group_name": group_name})
-
-    async def begin_update(self, fleet: Fleet, pause_mode: str) -> None:
-        await self.pause(fleet, pause_mode)
-        await fleet.all("POST", "/begin_weight_update", {},
-                        servers=[s for s in fleet.servers if not s.old_api])
-
-    async def update_bucket(self, fleet: Fleet, *, names: list[str], dtypes: list[str],
-                            shapes: list[list[int]], group: GroupSpec, flatten: bool,
-                            weight_version: str | None) -> None:
-        """``load_format="flattened_bucket"``: one broadcast of the tensors back to back.
-        The new version rides on the last bucket, so a server that did not get everything
-        still reports the old one. ``fail_fast``: a refusal means the broadcast cannot
-        complete, and the other servers answer only after it (syncer ``_answers``)."""
-        await fleet.all("POST", "/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group.group_name,
-            "flush_cache": False, "weight_version": weight_version,
-            "load_format": "flattened_bucket" if flatten else None}, fail_fast=True)
-
-    async def finish_update(self, fleet: Fleet, pause_mode: str, version: str) -> None:
-        # SGLang refuses /flush_cache while requests keep their cache (pause mode in_place).
-        if pause_mode != "in_place":
-            await self.flush_cache(fleet)
-        await self.end_update(fleet, best_effort=False)
-        await self.resume(fleet)
-
-    async def end_update(self, fleet: Fleet, *, best_effort: bool) -> None:
-        servers = [s for s in fleet.servers if not s.old_api]
-        if not best_effort:
-            await fleet.all("POST", "/end_weight_update", {}, servers=servers)
-            return
-        await asyncio.gather(*[fleet.request(s, "POST", "/end_weight_update", {}, timeout=60)
-                               for s in servers], return_exceptions=True)
-
-    async def update_from_disk(self, fleet: Fleet, path: str, version: str,
-                               pause_mode: str) -> None:
-        await self.pause(fleet, pause_mode)
-        await fleet.all("POST", "/update_weights_from_disk",
-                        {"model_path": path, "weight_version": version})
-        await self.resume(fleet)
 
 
 class EmbeddedEngine(SGLangEngine):

@@ -37,7 +37,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec
+from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec, WeightUpdater
 from areal_mcore.rollout.protocol import (
     RolloutError,
     SamplingParams,
@@ -108,8 +108,103 @@ def transfer_backend(cfg: ServerConfig) -> str:
     return "areal_gloo" if _on_cpu() else "nccl"
 
 
+class VLLMUpdater(WeightUpdater):
+    def check_distributed(self, pp_size: int) -> None:
+        bad = [s for s in self.fleet.servers if s.dp_size != 1]
+        if bad:
+            raise RolloutError(
+                "vLLM servers with data_parallel_size > 1 are not supported for weight "
+                f"updates: {[s.address for s in bad]}; launch one server per replica "
+                "(rollout.server.n_servers)", [s.address for s in bad])
+
+    def transport(self, backend: str) -> str:
+        return "torch" if backend == "gloo" else "vllm_nccl"
+
+    def flattened(self, backend: str) -> bool:
+        # vLLM's packed NCCL format chunks by its own buffer size
+        # (packed_tensor.py); we send its unpacked format: one broadcast per tensor.
+        return backend == "gloo"
+
+    async def init_group(self, spec: GroupSpec) -> None:
+        f = self.fleet
+        if spec.backend != "gloo" and spec.stage > 0:
+            # NCCLWeightTransferEngine.init_transfer_engine replaces its one group, so a
+            # second stage's group would take the first one's place.
+            raise RolloutError("vLLM's NCCL weight-transfer engine holds one group: a trainer "
+                               "with pipeline stages > 1 cannot send to it; use pp=1 or "
+                               "weight_sync.backend=gloo", [s.address for s in f.servers])
+        calls = []
+        for s, offset in zip(f.servers, spec.rank_offsets, strict=True):
+            if spec.backend == "gloo":
+                info = {"master_address": spec.master_address, "master_port": spec.master_port,
+                        "rank_offset": offset, "world_size": spec.world_size,
+                        "group_name": spec.group_name, "stage": spec.stage}
+            else:  # vLLM's NCCLWeightTransferInitInfo (nccl_common.py), one tensor per broadcast
+                info = {"master_address": spec.master_address, "master_port": spec.master_port,
+                        "rank_offset": offset, "world_size": spec.world_size, "packed": False}
+            calls.append(f.request(s, "POST", "/init_weight_transfer_engine",
+                                   {"init_info": info}, timeout=600))
+        await f.each(f.servers, calls)
+
+    async def destroy_group(self, spec: GroupSpec) -> None:
+        """vLLM's NCCL engine holds one communicator, which a second
+        ``init_transfer_engine`` overwrites without freeing (``nccl_engine.py``): it is shut
+        down (``/shutdown_weight_transfer_engine``, which frees it) before the next group
+        forms. Our gloo engine destroys a stage's old group at its next init itself."""
+        if spec.backend != "gloo":
+            await self.fleet.all("POST", "/shutdown_weight_transfer_engine", {})
+
+    async def begin(self, pause_mode: str) -> None:
+        await self.engine.pause(self.fleet, pause_mode)
+        await self.fleet.all("POST", "/start_weight_update")
+
+    async def receive_bucket(self, *, names: list[str], dtypes: list[str],
+                             shapes: list[list[int]], group: GroupSpec, flatten: bool,
+                             weight_version: str | None) -> None:
+        info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+        if group.backend == "gloo":
+            info |= {"stage": group.stage, "packed": flatten}
+        # Every member of the group, stalled or not: the broadcast waits for each.
+        await self.fleet.all("POST", "/update_weights", {"update_info": info},
+                             servers=self.fleet.servers, fail_fast=True)
+
+    async def finish(self, pause_mode: str, version: str) -> None:
+        await self.fleet.all("POST", "/finish_weight_update", {})
+        await self.fleet.all("POST", "/update_weight_version", {"new_version": version})
+        await self.engine.resume(self.fleet)
+
+    async def end(self, *, best_effort: bool) -> None:
+        """Best effort: finishes the session on every server that may hold one, ignoring
+        refusals. vLLM has no route that reports an open session and answers a finish
+        without one with a 500 and a traceback in its log (``gpu_worker.py``), so only a
+        paused server is sent one: ours pause before ``/start_weight_update`` and resume
+        after the finish, so a server that is not paused holds no session of ours."""
+        f = self.fleet
+        if not best_effort:
+            await f.all("POST", "/finish_weight_update", {})
+            return
+
+        async def close(s: Server) -> None:
+            if (await f.request(s, "GET", "/is_paused", timeout=30))["is_paused"]:
+                await f.request(s, "POST", "/finish_weight_update", {}, timeout=60)
+        await asyncio.gather(*[close(s) for s in f.servers], return_exceptions=True)
+
+    async def from_disk(self, path: str, version: str, pause_mode: str) -> None:
+        """vLLM's in-place reload from an HF folder, ``Worker.reload_weights(weights_path=)``
+        (``model_executor/model_loader/reload/inplace.py``: vLLM's own ``load_weights``,
+        layerwise), run on every worker through the dev-mode ``/collective_rpc`` route
+        (string kwargs only: ``entrypoints/serve/dev/rpc/api_router.py``). Paused around it
+        as a distributed update is; the pause clears the prefix cache (but for ``keep``)."""
+        await self.engine.pause(self.fleet, pause_mode)
+        await self.fleet.all("POST", "/collective_rpc",
+                             {"method": "reload_weights", "kwargs": {"weights_path": path}})
+        await self.fleet.all("POST", "/update_weight_version", {"new_version": version})
+        await self.engine.resume(self.fleet)
+
+
 class VLLMEngine(Engine):
     name = "vllm"
+    updater_class = VLLMUpdater
 
     # ---- launch ------------------------------------------------------------------------
     def command(self, cfg: ServerConfig, *, port: int, seed: int) -> list[str]:
@@ -214,96 +309,6 @@ class VLLMEngine(Engine):
     async def weight_versions(self, fleet: Fleet) -> list[str]:
         infos = await fleet.all("GET", "/weight_info", timeout=30)
         return [str(i["weight_version"]) for i in infos]
-
-    # ---- weight updates ----------------------------------------------------------------
-    def check_distributed_updates(self, fleet: Fleet, pp_size: int) -> None:
-        bad = [s for s in fleet.servers if s.dp_size != 1]
-        if bad:
-            raise RolloutError(
-                "vLLM servers with data_parallel_size > 1 are not supported for weight "
-                f"updates: {[s.address for s in bad]}; launch one server per replica "
-                "(rollout.server.n_servers)", [s.address for s in bad])
-
-    def trainer_transport(self, backend: str) -> str:
-        return "torch" if backend == "gloo" else "vllm_nccl"
-
-    def flattened_buckets(self, backend: str) -> bool:
-        # vLLM's packed NCCL format chunks by its own buffer size
-        # (packed_tensor.py); we send its unpacked format: one broadcast per tensor.
-        return backend == "gloo"
-
-    async def init_group(self, fleet: Fleet, spec: GroupSpec) -> None:
-        if spec.backend != "gloo" and spec.stage > 0:
-            # NCCLWeightTransferEngine.init_transfer_engine replaces its one group, so a
-            # second stage's group would take the first one's place.
-            raise RolloutError("vLLM's NCCL weight-transfer engine holds one group: a trainer "
-                               "with pipeline stages > 1 cannot send to it; use pp=1 or "
-                               "weight_sync.backend=gloo", [s.address for s in fleet.servers])
-        calls = []
-        for s, offset in zip(fleet.servers, spec.rank_offsets, strict=True):
-            if spec.backend == "gloo":
-                info = {"master_address": spec.master_address, "master_port": spec.master_port,
-                        "rank_offset": offset, "world_size": spec.world_size,
-                        "group_name": spec.group_name, "stage": spec.stage}
-            else:  # vLLM's NCCLWeightTransferInitInfo (nccl_common.py), one tensor per broadcast
-                info = {"master_address": spec.master_address, "master_port": spec.master_port,
-                        "rank_offset": offset, "world_size": spec.world_size, "packed": False}
-            calls.append(fleet.request(s, "POST", "/init_weight_transfer_engine",
-                                       {"init_info": info}, timeout=600))
-        await fleet.each(fleet.servers, calls)
-
-    async def destroy_group(self, fleet: Fleet, group_name: str, backend: str) -> None:
-        """vLLM's NCCL engine holds one communicator, which a second
-        ``init_transfer_engine`` overwrites without freeing (``nccl_engine.py``): it is shut
-        down (``/shutdown_weight_transfer_engine``, which frees it) before the next group
-        forms. Our gloo engine destroys a stage's old group at its next init itself."""
-        if backend != "gloo":
-            await fleet.all("POST", "/shutdown_weight_transfer_engine", {})
-
-    async def begin_update(self, fleet: Fleet, pause_mode: str) -> None:
-        await self.pause(fleet, pause_mode)
-        await fleet.all("POST", "/start_weight_update")
-
-    async def update_bucket(self, fleet: Fleet, *, names: list[str], dtypes: list[str],
-                            shapes: list[list[int]], group: GroupSpec, flatten: bool,
-                            weight_version: str | None) -> None:
-        info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
-        if group.backend == "gloo":
-            info |= {"stage": group.stage, "packed": flatten}
-        await fleet.all("POST", "/update_weights", {"update_info": info}, fail_fast=True)
-
-    async def finish_update(self, fleet: Fleet, pause_mode: str, version: str) -> None:
-        await fleet.all("POST", "/finish_weight_update", {})
-        await fleet.all("POST", "/update_weight_version", {"new_version": version})
-        await self.resume(fleet)
-
-    async def end_update(self, fleet: Fleet, *, best_effort: bool) -> None:
-        """Best effort: finishes the session on every server that may hold one, ignoring
-        refusals. vLLM has no route that reports an open session and answers a finish
-        without one with a 500 and a traceback in its log (``gpu_worker.py``), so only a
-        paused server is sent one: ours pause before ``/start_weight_update`` and resume
-        after the finish, so a server that is not paused holds no session of ours."""
-        if not best_effort:
-            await fleet.all("POST", "/finish_weight_update", {})
-            return
-
-        async def close(s: Server) -> None:
-            if (await fleet.request(s, "GET", "/is_paused", timeout=30))["is_paused"]:
-                await fleet.request(s, "POST", "/finish_weight_update", {}, timeout=60)
-        await asyncio.gather(*[close(s) for s in fleet.servers], return_exceptions=True)
-
-    async def update_from_disk(self, fleet: Fleet, path: str, version: str,
-                               pause_mode: str) -> None:
-        """vLLM's in-place reload from an HF folder, ``Worker.reload_weights(weights_path=)``
-        (``model_executor/model_loader/reload/inplace.py``: vLLM's own ``load_weights``,
-        layerwise), run on every worker through the dev-mode ``/collective_rpc`` route
-        (string kwargs only: ``entrypoints/serve/dev/rpc/api_router.py``). Paused around it
-        as a distributed update is; the pause clears the prefix cache (but for ``keep``)."""
-        await self.pause(fleet, pause_mode)
-        await fleet.all("POST", "/collective_rpc",
-                        {"method": "reload_weights", "kwargs": {"weights_path": path}})
-        await fleet.all("POST", "/update_weight_version", {"new_version": version})
-        await self.resume(fleet)
 
 
 def vllm_pause_mode(mode: str) -> str:
