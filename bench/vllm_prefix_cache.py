@@ -47,6 +47,7 @@ async def load(address: str, prompts: list[list[int]], samples: int, new_tokens:
 
 def main() -> None:
     from areal_mcore.rollout.config import ServerConfig
+    from areal_mcore.rollout.engines.options import VLLMOptions
     from areal_mcore.rollout.servers import launch_servers
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -63,8 +64,8 @@ def main() -> None:
         model = tiny_model(os.path.join(root, "model"))
         for name, extra in (("prefix_cache", []), ("no_prefix_cache", ["--no-enable-prefix-caching"])):
             cfg = ServerConfig(model_path=model, backend="vllm", dtype="float32", context_length=1024,
-                               kv_cache_memory_mb=512, enforce_eager=True, max_running_requests=128,
-                               log_dir=os.path.join(root, name), extra_args=extra)
+                               max_running_requests=128, log_dir=os.path.join(root, name), extra_args=extra,
+                               vllm=VLLMOptions(kv_cache_memory_mb=512, enforce_eager=True))
             server, = launch_servers(cfg)
             try:
                 asyncio.run(load(server.address, prompts[:1], 2, 4))  # warm-up

@@ -16,15 +16,22 @@ fi
 # A fresh PPO run each time (the SFT model and assets are reused).
 rm -rf "$RUN/stats.jsonl" "$RUN/eval.jsonl" "$RUN/tensorboard" "$RUN/hf" "$RUN/curves.png" "$RUN/trace.json" \
   "$RUN/rollouts" "$RUN/checkpoints"
-# vLLM on CPU: eager mode (no torch.compile: starts sooner; the embedded server ignores
-# it); its KV cache is sized from the run (server.kv_cache_memory_mb unset).
 # Without the vLLM venv (`make install` creates it on machines without a GPU) the run
-# falls back to the embedded server.
-if [ -x .venv-vllm/bin/python ]; then
-  SERVER=(server.backend=vllm server.enforce_eager=true)
-else
+# falls back to the embedded server; a server.backend=... argument picks the engine.
+BACKEND=vllm
+if [ ! -x .venv-vllm/bin/python ]; then
   echo "no .venv-vllm (make install-vllm): rollouts on the embedded server"
-  SERVER=(server.backend=embedded)
+  BACKEND=embedded
+fi
+for arg in "$@"; do
+  case $arg in server.backend=*) BACKEND=${arg#server.backend=} ;; esac
+done
+SERVER=(server.backend="$BACKEND")
+# vLLM on CPU: eager mode (no torch.compile: starts sooner), its KV cache sized from the
+# run (server.vllm.kv_cache_memory_mb unset). Only with vLLM: the config refuses vLLM's
+# options for another engine.
+if [ "$BACKEND" = vllm ]; then
+  SERVER+=(server.vllm.enforce_eager=true)
 fi
 "$PY" -m areal_mcore.cli train --config "$CONFIG" "${SERVER[@]}" "$@"
 echo

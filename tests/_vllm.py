@@ -8,6 +8,7 @@ import pytest
 from _rollout import rollout_servers
 from _tiers import needs
 
+from areal_mcore.rollout.engines.options import VLLMOptions
 from areal_mcore.rollout.engines.vllm import default_python
 
 
@@ -27,6 +28,6 @@ def require_vllm() -> str:
 def vllm_servers(model_path: str, log_dir: str, n: int = 1, **overrides):
     """Real vLLM servers (eager; the KV cache the launcher sizes from the run on CPU) on a
     model from ``tiny_hf_dir(root, seed, **VLLM_SHAPE)``."""
-    overrides = {"enforce_eager": True, "startup_timeout_s": 900, **overrides}
+    overrides = {"vllm": VLLMOptions(enforce_eager=True), "startup_timeout_s": 900, **overrides}
     return rollout_servers(model_path, log_dir, n, backend="vllm", grace_s=10,
                            python=require_vllm(), **overrides)

@@ -172,6 +172,7 @@ SECTION_CASES = {
     "eval_dataset": ("eval_dataset.think=yes", "eval_dataset.think"),
     "rollout": ("rollout.n_samples=0", "rollout.n_samples"),
     "server": ("server.backend=tgi", "server.backend"),
+    "server.vllm": ("server.vllm.weight_transfer_backend=gloo", "server.vllm.weight_transfer_backend"),
     "weight_sync": ("weight_sync.mode=bogus", "weight_sync.mode"),
     "reward": ("reward.timeout_s=0", "reward.timeout_s"),
     "trainer": ("trainer.mode=later", "trainer.mode"),
@@ -203,6 +204,17 @@ def test_a_bogus_weight_sync_mode_is_reported_once_with_the_choices():
     with pytest.raises(ConfigError) as e:
         load_config(TINY, ["weight_sync.mode=bogus"])
     assert str(e.value) == "weight_sync.mode='bogus' is not allowed; choose one of ['distributed', 'disk']"
+
+
+def test_a_vllm_option_with_another_backend_is_refused_naming_the_key_and_the_backend():
+    # only the vLLM adapter reads server.vllm: with another engine the value would be lost
+    with pytest.raises(ConfigError, match=r"^server\.vllm\.enforce_eager=True is a vLLM option, "
+                                          r"but backend='sglang' starts no vLLM server"):
+        load_config(TINY, ["server.backend=sglang", "server.vllm.enforce_eager=true"])
+    assert load_config(TINY, ["server.backend=vllm", "server.vllm.enforce_eager=true"]).server.vllm.enforce_eager
+    with pytest.raises(ConfigError, match=r"unknown config key 'server\.enforce_eager'; "
+                                          r"did you mean 'server\.vllm\.enforce_eager'\?"):
+        load_config(TINY, ["server.backend=vllm", "server.enforce_eager=true"])
 
 
 def test_the_launch_allocation_follows_server_backend_when_unset():

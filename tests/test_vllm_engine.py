@@ -6,6 +6,7 @@ import pytest
 
 from areal_mcore.config import load_config
 from areal_mcore.rollout.config import ServerConfig
+from areal_mcore.rollout.engines.options import VLLMOptions
 from areal_mcore.rollout.engines.vllm import VLLMEngine, span_versions, vllm_pause_mode
 from areal_mcore.rollout.protocol import SamplingParams
 from areal_mcore.rollout.servers import server_command
@@ -45,8 +46,8 @@ def test_pause_modes_map_and_retract_is_refused_at_config_load():
 
 
 def test_launch_command_turns_on_what_the_rl_path_needs():
-    cfg = ServerConfig(model_path="/m", backend="vllm", python="/py", weight_transfer_backend="areal_gloo",
-                       kv_cache_memory_mb=64)
+    cfg = ServerConfig(model_path="/m", backend="vllm", python="/py",
+                       vllm=VLLMOptions(weight_transfer_backend="areal_gloo", kv_cache_memory_mb=64))
     cmd = server_command(cfg, port=5, seed=3)
     assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
     for flag in ("--enable-scale-out", "--skip-tokenizer-init"):
@@ -74,7 +75,7 @@ def test_on_cpu_the_kv_cache_is_sized_from_the_run_not_the_host(tmp_path, monkey
     small = server_command(ServerConfig(model_path=str(tmp_path), backend="vllm", python="/py",
                                         dtype="bfloat16", context_length=64), port=5, seed=3)
     assert small[small.index("--kv-cache-memory-bytes") + 1] == str(vllm.KV_FLOOR_MB * 2**20)
-    with pytest.raises(ValueError, match=r"config.json .*set server.kv_cache_memory_mb"):
+    with pytest.raises(ValueError, match=r"config.json .*set server.vllm.kv_cache_memory_mb"):
         server_command(ServerConfig(model_path=str(tmp_path / "hub/id"), backend="vllm", python="/py"),
                        port=5, seed=3)
     monkeypatch.setattr(vllm, "_on_cpu", lambda: False)  # a GPU server: SGLang-style fraction
@@ -94,7 +95,7 @@ def test_every_flag_we_pass_vllm_is_accepted_by_vllms_own_parser(tmp_path):
     from areal_mcore.eval.config import EVAL_VLLM_ARGS, eval_server_config
 
     cfg = eval_server_config(ServerConfig(model_path=str(tmp_path), backend="vllm",
-                                          kv_cache_memory_mb=64, enforce_eager=True))
+                                          vllm=VLLMOptions(kv_cache_memory_mb=64, enforce_eager=True)))
     assert list(cfg.extra_args[:len(EVAL_VLLM_ARGS)]) == list(EVAL_VLLM_ARGS)
     argv = server_command(cfg, port=5, seed=3)[3:]
     code = ("import json, sys\n"

@@ -38,7 +38,7 @@ def test_a_short_tiny_ppo_run_on_vllm_raises_held_out_accuracy(tmp_path):
              f"trainer.log_dir={tmp_path / 'runs'}", "trainer.progress=false"]
     _cli("sft", "--config", CONFIG, *paths, "actor.optimizer.lr=3e-3", timeout=900)  # as make run
     _cli("train", "--config", CONFIG, *paths, f"model_path={sft_model}",
-         "server.backend=vllm", f"server.python={python}", "server.enforce_eager=true",
+         "server.backend=vllm", f"server.python={python}", "server.vllm.enforce_eager=true",
          f"trainer.total_steps={STEPS}", f"trainer.eval_freq={STEPS}", timeout=1800)
 
     run = tmp_path / "runs" / "tiny-cpu"

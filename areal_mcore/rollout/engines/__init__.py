@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from areal_mcore.rollout.config import BACKENDS
 from areal_mcore.rollout.engines.base import Engine
+from areal_mcore.rollout.engines.options import BACKENDS
 
 
 def engine_for(backend: str) -> Engine:

@@ -92,8 +92,8 @@ def cpu_kv_cache_bytes(cfg: ServerConfig) -> int:
         with open(path) as f:
             hf = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"server.kv_cache_memory_mb: vLLM on CPU sizes its KV cache from the "
-                         f"model's {path} ({e}); set server.kv_cache_memory_mb (MB) instead") from e
+        raise ValueError(f"server.vllm.kv_cache_memory_mb: vLLM on CPU sizes its KV cache from the "
+                         f"model's {path} ({e}); set server.vllm.kv_cache_memory_mb (MB) instead") from e
     hf = hf.get("text_config", hf)
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
@@ -103,8 +103,8 @@ def cpu_kv_cache_bytes(cfg: ServerConfig) -> int:
 
 
 def transfer_backend(cfg: ServerConfig) -> str:
-    if cfg.weight_transfer_backend != "auto":
-        return cfg.weight_transfer_backend
+    if cfg.vllm.weight_transfer_backend != "auto":
+        return cfg.vllm.weight_transfer_backend
     return "areal_gloo" if _on_cpu() else "nccl"
 
 
@@ -215,8 +215,8 @@ class VLLMEngine(Engine):
                "--max-num-seqs", str(cfg.max_running_requests),
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
                "--weight-transfer-config", json.dumps({"backend": transfer_backend(cfg)})]
-        if cfg.kv_cache_memory_mb:
-            cmd += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_memory_mb * 2**20))]
+        if cfg.vllm.kv_cache_memory_mb:
+            cmd += ["--kv-cache-memory-bytes", str(int(cfg.vllm.kv_cache_memory_mb * 2**20))]
         elif _on_cpu():
             # On CPU --gpu-memory-utilization is a fraction of the whole host's memory
             # (measured: 18.7 of 21.7 GiB for the tiny model), so a second process on the
@@ -226,7 +226,7 @@ class VLLMEngine(Engine):
             cmd += ["--gpu-memory-utilization", str(cfg.mem_fraction_static)]
         if cfg.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
-        if cfg.enforce_eager:
+        if cfg.vllm.enforce_eager:
             cmd.append("--enforce-eager")
         if cfg.api_key:
             cmd += ["--api-key", cfg.api_key]
