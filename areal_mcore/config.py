@@ -248,7 +248,11 @@ def _dataclass_of(tp: Any) -> type | None:
 
 def _field_type(schema: type, key: str) -> Any:
     tp: Any = schema
-    for part in key.split("."):
+    for part in key.replace("[", ".[").split("."):
+        if part.startswith("["):  # an item of a list ('server.gpus[1]'): the list's element type
+            lists = [a for a in typing.get_args(tp) or (tp,) if typing.get_origin(a) is list]
+            tp = typing.get_args(lists[0])[0] if lists else None
+            continue
         cls = _dataclass_of(tp)
         if cls is None:
             return None

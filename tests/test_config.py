@@ -199,6 +199,11 @@ def test_every_config_section_has_a_validation_case():
     assert sections == set(SECTION_CASES)
 
 
+def test_a_bad_list_item_names_the_item_and_the_element_type():
+    with pytest.raises(ConfigError, match=r"override 'server.gpus=\[0, x\]': config key 'server.gpus\[1\]' expects int"):
+        load_config(TINY, ["server.gpus=[0, x]"])
+
+
 def test_a_bogus_weight_sync_mode_is_reported_once_with_the_choices():
     with pytest.raises(ConfigError) as e:
         load_config(TINY, ["weight_sync.mode=bogus"])
