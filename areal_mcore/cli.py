@@ -79,110 +79,110 @@ def run_convert(a) -> int:
     return 0
 
 
+# eval and filter: their settings are typed config keys (the eval and filter sections, and
+# the experiment's model, servers, reward, ...); each flag is a shorthand for one key.
+SETTINGS = ("Settings are config keys: the {section} section and the rest of --config, then the flags, "
+            "each of which sets the key it names, then key=value overrides (docs/eval.md).")
+ALIAS = "alias:"  # argparse dest prefix: the flag sets the config key after it
+
+
+def _settings_args(p) -> None:
+    p.add_argument("--config", help="experiment YAML under configs/ (default: none, the keys' defaults)")
+    p.add_argument("overrides", nargs="*", help="a.b.c=value overrides, after the flags")
+
+
+def _alias(p, flag: str, key: str, what: str, *, kind: str = "value") -> None:
+    """``flag X`` sets ``key`` to X: as a list for ``kind="list"`` (X comma-separated), to
+    true for ``kind="switch"`` (no X)."""
+    extra = {"list": {"type": _csv}, "switch": {"action": "store_const", "const": True}}.get(kind, {})
+    p.add_argument(flag, dest=ALIAS + key, metavar=key.rpartition(".")[2].upper(), help=f"{what} (sets {key})",
+                   **extra)
+
+
+def _csv(text: str) -> list[str]:
+    """'a.jsonl,b.jsonl' -> ['a.jsonl', 'b.jsonl']."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _load_settings(a):
+    """The config of eval and filter: --config (else InferenceConfig's defaults), the flags,
+    then the key=value overrides, through the one loader and its errors."""
+    from areal_mcore.config import ExperimentConfig, InferenceConfig, load_config
+
+    # JSON values, which YAML reads as written: a path or suffix stays a string ('null', '').
+    flags = [f"{dest.removeprefix(ALIAS)}={json.dumps(value)}" for dest, value in vars(a).items()
+             if dest.startswith(ALIAS) and value is not None]
+    return load_config(a.config, flags + a.overrides, schema=ExperimentConfig if a.config else InferenceConfig)
+
+
 def add_filter_parsers(sub) -> None:
     filt = sub.add_parser("filter", help="boba's dataset filters (difficulty, prompt length)",
                           description="Filter a boba-format JSONL dataset; kept rows are copied unchanged.")
     kinds = filt.add_subparsers(dest="kind", required=True)
     diff = kinds.add_parser(
         "difficulty", help="drop problems the base model solves in all k of k samples",
-        description="Sample k responses per problem from --model (servers launched as eval launches "
-                    "them) or from running servers (--server-url), or take precomputed ones "
-                    "(--samples); score them with the boba reward and drop the problems solved every "
-                    "time (boba: k = 8 from the base model). Sampling is resumable: finished problems "
-                    "are kept in OUT.samples.jsonl and a rerun samples only the others.",
+        description="Sample k responses per problem from the model (servers launched as eval launches "
+                    "them) or from running servers, or take precomputed ones; score them with the boba "
+                    "reward and drop the problems solved every time (boba: k = 8 from the base model). "
+                    "Sampling is resumable: finished problems are kept in OUT.samples.jsonl and a rerun "
+                    "samples only the others. " + SETTINGS.format(section="filter"),
         epilog="example: areal-mcore filter difficulty --model runs/tiny-cpu/sft_model --data "
                "runs/tiny-cpu/assets/train.jsonl --k 8 --max-new-tokens 24 --out train.filtered.jsonl")
-    diff.add_argument("--data", required=True, help="boba-format JSONL")
-    source = diff.add_mutually_exclusive_group(required=True)
-    source.add_argument("--samples", help='JSONL, one row per problem in order: {"completions": [k strings]}')
-    source.add_argument("--model", help="HF folder to sample from (servers are launched here)")
-    source.add_argument("--server-url", type=_csv(str), help="comma-separated host:port of running servers")
-    diff.add_argument("--k", type=int, default=8)
-    diff.add_argument("--out", required=True)
-    diff.add_argument("--workers", type=int, default=2, help="reward worker processes")
-    diff.add_argument("--tokenizer", help="tokenizer folder (default: --model)")
-    diff.add_argument("--model-kind", choices=["rl", "sft", "base"], default="base",
-                      help="sets the sampling as eval does (default base: temperature 0.6, top_p 0.95)")
-    diff.add_argument("--temperature", type=float, help="override the model kind's temperature")
-    diff.add_argument("--top-p", type=float, help="override the model kind's top_p")
-    diff.add_argument("--max-new-tokens", type=int, default=27648, help="response budget (default: boba's 27648)")
-    diff.add_argument("--context-length", type=int, default=32768, help="of the servers launched here")
-    diff.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                      help="weights of the servers launched here")
-    diff.add_argument("--seed", type=int, default=1)
-    diff.add_argument("--chunk", type=int, default=64,
-                      help="problems in flight between two appends to OUT.samples.jsonl")
-    diff.add_argument("--no-progress", action="store_true", help="no progress bar")
     length = kinds.add_parser("length", help="drop problems whose prompt is too long",
-                              description="Drop problems whose chat-templated prompt exceeds --max-prompt-tokens.")
-    length.add_argument("--data", required=True)
-    length.add_argument("--tokenizer", required=True, help="folder for AutoTokenizer.from_pretrained")
-    length.add_argument("--max-prompt-tokens", type=int, default=1024)
-    length.add_argument("--out", required=True)
+                              description="Drop problems whose chat-templated prompt exceeds "
+                                          "filter.max_prompt_tokens. " + SETTINGS.format(section="filter"))
     for p in (diff, length):
-        p.add_argument("--skip-bad-rows", action="store_true", help="skip and count malformed rows")
+        _settings_args(p)
+        _alias(p, "--data", "dataset.path", "boba-format JSONL to filter")
+        _alias(p, "--out", "filter.out", "JSONL of the kept rows")
+        _alias(p, "--tokenizer", "tokenizer_path", "tokenizer folder (default: the model's)")
+        _alias(p, "--skip-bad-rows", "dataset.skip_bad_rows", "skip and count malformed rows", kind="switch")
+    source = diff.add_mutually_exclusive_group()
+    _alias(source, "--samples", "filter.samples", 'precomputed JSONL, one row per problem in order: '
+                                                  '{"completions": [k strings]}')
+    _alias(source, "--model", "server.model_path", "HF folder to sample from (servers are launched here)")
+    _alias(source, "--server-url", "server.addresses", "comma-separated host:port of running servers", kind="list")
+    _alias(diff, "--k", "filter.k", "samples per problem (default 8)")
+    _alias(diff, "--workers", "reward.num_workers", "reward worker processes")
+    _alias(diff, "--model-kind", "filter.model_kind", "rl, sft or base: sets the sampling as eval does "
+                                                      "(default base: temperature 0.6, top_p 0.95)")
+    _alias(diff, "--temperature", "filter.temperature", "instead of the model kind's")
+    _alias(diff, "--top-p", "filter.top_p", "instead of the model kind's")
+    _alias(diff, "--max-new-tokens", "filter.max_new_tokens", "response budget (default: rollout.max_new_tokens, "
+                                                              "else boba's 27648)")
+    _alias(diff, "--context-length", "server.context_length", "of the servers launched here")
+    _alias(diff, "--dtype", "server.dtype", "weights of the servers launched here")
+    _alias(diff, "--chunk", "filter.chunk", "problems in flight between two appends to OUT.samples.jsonl")
+    _alias(length, "--max-prompt-tokens", "filter.max_prompt_tokens",
+           "longest prompt kept, in tokens (default: trainer.max_prompt_tokens, else 1024)")
 
 
 def run_filter(a) -> int:
-    from areal_mcore.data.filters import difficulty_filter, length_filter
-    from areal_mcore.data.jsonl import DatasetConfig
-    from areal_mcore.paths import check_readable_file, check_tokenizer
+    from areal_mcore.eval.config import filter_job
+    from areal_mcore.paths import check_filter_paths
 
-    if a.kind == "difficulty" and a.samples is None:
-        return _filter_by_sampling(a)
-    _check_filter_data(a)
-    if a.kind == "difficulty":
-        check_readable_file("--samples", a.samples, "a JSONL file of completions")
-    else:
-        check_tokenizer("--tokenizer", a.tokenizer)
-    cfg = DatasetConfig(path=a.data, skip_bad_rows=a.skip_bad_rows)
-    if a.kind == "difficulty":
-        from areal_mcore.reward.pool import RewardPool, RewardPoolConfig
-
-        with RewardPool(RewardPoolConfig(num_workers=a.workers)) as pool:
-            summary = difficulty_filter(cfg, a.samples, a.out, k=a.k, pool=pool)
-    else:
+    job = filter_job(_load_settings(a))
+    check_filter_paths(job, a.kind)  # before any server or worker starts
+    f = job.filter
+    if a.kind == "length":
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
-        summary = length_filter(cfg, tok, a.out, max_prompt_tokens=a.max_prompt_tokens, suffix=cfg.instruction)
+        from areal_mcore.data.filters import length_filter
+
+        tok = AutoTokenizer.from_pretrained(job.tokenizer_path, local_files_only=True)
+        summary = length_filter(job.dataset, tok, f.out, max_prompt_tokens=f.max_prompt_tokens,
+                                suffix=job.dataset.instruction)
+    elif f.samples:
+        from areal_mcore.data.filters import difficulty_filter
+        from areal_mcore.reward.pool import RewardPool
+
+        with RewardPool(job.reward) as pool:
+            summary = difficulty_filter(job.dataset, f.samples, f.out, k=f.k, pool=pool)
+    else:
+        from areal_mcore.eval.difficulty import filter_by_sampling
+
+        summary = filter_by_sampling(job)
     print(json.dumps(summary))
-    return 0
-
-
-def _check_filter_data(a) -> None:
-    from areal_mcore.paths import check_dataset, check_writable_dir
-
-    check_dataset("--data", a.data)
-    if Path(a.data).suffix.lower() != ".jsonl" or not Path(a.data).is_file():
-        # Kept rows are copied byte for byte, which only a JSONL file's lines allow.
-        raise ValueError(f"--data={a.data}: the filters read and write one JSONL file; write the dataset "
-                         "as JSONL first (datasets: Dataset.to_json(path, lines=True))")
-    check_writable_dir("--out", str(Path(a.out).parent))
-
-
-def _filter_by_sampling(a) -> int:
-    from areal_mcore.data.jsonl import DatasetConfig
-    from areal_mcore.eval.difficulty import DifficultyConfig, filter_by_sampling
-    from areal_mcore.paths import check_hf_model, check_tokenizer
-    from areal_mcore.reward.pool import RewardPoolConfig
-    from areal_mcore.rollout.config import ServerConfig
-
-    _check_filter_data(a)
-    model = a.model or a.tokenizer
-    if a.model:
-        check_hf_model("--model", a.model)
-    elif not a.tokenizer:
-        raise ValueError("--server-url needs --tokenizer FOLDER (the model's tokenizer, to build prompts)")
-    check_tokenizer("--tokenizer" if a.tokenizer else "--model", a.tokenizer or a.model)
-    server = ServerConfig(model_path=model, dtype=a.dtype, context_length=a.context_length,
-                          addresses=[u.removeprefix("http://") for u in a.server_url or []])
-    cfg = DifficultyConfig(dataset=DatasetConfig(path=a.data, skip_bad_rows=a.skip_bad_rows), out=a.out,
-                           server=server, k=a.k, model_kind=a.model_kind, temperature=a.temperature,
-                           top_p=a.top_p, max_new_tokens=a.max_new_tokens, tokenizer_path=a.tokenizer,
-                           seed=a.seed, chunk=a.chunk, reward=RewardPoolConfig(num_workers=a.workers),
-                           progress=not a.no_progress)
-    print(json.dumps(filter_by_sampling(cfg)))
     return 0
 
 
@@ -294,135 +294,50 @@ def run_train(a) -> int:
     return 0
 
 
-def _csv(kind):
-    """argparse type for comma-separated values: 'a.jsonl,b.jsonl', '1,8,32'."""
-    def parse(text: str):
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        try:
-            return [kind(t) for t in items]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
-    return parse
-
-
 def add_eval_parsers(sub) -> None:
-    from areal_mcore.data.jsonl import FORMATS, THINK_MODES
-    from areal_mcore.eval.config import MODEL_KINDS
-
     p = sub.add_parser(
         "eval", help="pass@k over n samples per problem, with boba's eval settings",
-        description="Sample --n-samples responses per problem from rollout servers (launched here "
-                    "with boba's long-context settings, or running at --server-url), score them with "
-                    "the boba reward and report pass@1 (averaged over samples) and unbiased pass@k "
-                    "per dataset, as a table and as JSON (--out).",
+        description="Sample n responses per problem from rollout servers (launched here with boba's "
+                    "long-context settings, or running ones), score them with the boba reward and "
+                    "report pass@1 (averaged over samples) and unbiased pass@k per dataset, as a table "
+                    "and as JSON. With --config, its model, servers, reward, eval set, rollout seed and "
+                    "budget and prompt limit are the defaults. " + SETTINGS.format(section="eval"),
         epilog="example: areal-mcore eval --config configs/tiny_cpu.yaml --model runs/tiny-cpu/hf/step_300 "
                "--data runs/tiny-cpu/assets/test.jsonl --model-kind rl --n-samples 8 --out eval.json")
-    p.add_argument("--config", help="YAML under configs/ whose model_path, tokenizer_path, server, reward, "
-                                    "seed, rollout.max_new_tokens and eval_dataset are the defaults")
-    p.add_argument("overrides", nargs="*", help="a.b.c=value overrides of --config, e.g. server.tp_size=4")
-    p.add_argument("--model", help="HF folder to evaluate (default: the config's model_path)")
-    p.add_argument("--tokenizer", help="tokenizer folder (default: the config's tokenizer_path, else --model)")
-    p.add_argument("--data", type=_csv(str), help="comma-separated JSONL files, one report row each "
-                                                  "(default: the config's eval_dataset)")
-    p.add_argument("--data-format", choices=FORMATS,
-                   help="row format of --data; mc = multiple choice {question, choices, answer} "
-                        "(default: the config's eval_dataset format, else boba)")
-    p.add_argument("--model-kind", required=True, choices=MODEL_KINDS,
-                   help="sets the sampling: rl 1.0/1.0, sft and base 0.6/0.95 (temperature/top_p)")
-    p.add_argument("--n-samples", type=int, default=32, help="samples per problem (default 32)")
-    p.add_argument("--temperature", type=float, help="override the model kind's temperature")
-    p.add_argument("--top-p", type=float, help="override the model kind's top_p")
-    p.add_argument("--k", type=_csv(int), dest="ks",
-                   help="pass@k to report, e.g. 1,8,32 (default: powers of two up to n, and n)")
-    p.add_argument("--max-new-tokens", type=int, help="response budget (default: the config's "
-                                                      "rollout.max_new_tokens, else 27648)")
-    p.add_argument("--shuffle-choices", action="store_true",
-                   help="permute multiple-choice options per problem (seeded); GPQA's gold is always A")
-    p.add_argument("--prompt-suffix", help="a different instruction after each question than training "
-                                           "used ('' for none); default: the dataset's instruction, "
-                                           "as in training (auto: boba's where the row has none)")
-    p.add_argument("--think", choices=THINK_MODES,
-                   help="start responses with '<think>\\n' (auto: where the chat template has thinking); "
-                        "default: the dataset's setting, as in training")
-    p.add_argument("--max-prompt-tokens", type=int, help="drop (and count) longer prompts (default: the "
-                                                         "config's trainer.max_prompt_tokens, else keep all)")
-    p.add_argument("--seed", type=int, help="sampling and shuffling seed (default: the run's eval seed "
-                                            "rollout.seed+1 with --config, else 1)")
-    p.add_argument("--backend", choices=("sglang", "vllm", "embedded"),
-                   help="the servers' engine (default: the config's server.backend, else embedded)")
-    p.add_argument("--server-url", type=_csv(str), help="comma-separated host:port of running servers "
-                                                        "(nothing is launched)")
-    p.add_argument("--out", help="write the JSON report here")
-
-
-def _check_eval_paths(a, model: str, exp, datasets) -> None:
-    """Model, tokenizer, data and report paths, before any server starts."""
-    from areal_mcore.paths import check_dataset, check_hf_model, check_tokenizer, check_writable_dir
-
-    model_key = "--model" if a.model else "model_path"
-    if not a.server_url:  # running servers may hold a model this machine has no copy of
-        check_hf_model(model_key, model)
-    tokenizer = a.tokenizer or (exp.tokenizer_path if exp else None)
-    check_tokenizer(("--tokenizer" if a.tokenizer else "tokenizer_path") if tokenizer else model_key,
-                    tokenizer or model)
-    for d in datasets:
-        check_dataset("--data" if a.data else "eval_dataset.path", d.path)
-    if a.out:
-        check_writable_dir("--out", str(Path(a.out).parent))
+    _settings_args(p)
+    _alias(p, "--model", "server.model_path", "HF folder to evaluate")
+    _alias(p, "--data", "eval.data", "comma-separated JSONL files, one report row each", kind="list")
+    _alias(p, "--data-format", "eval.data_format", "row format of --data; mc = multiple choice "
+                                                   "{question, choices, answer}")
+    _alias(p, "--model-kind", "eval.model_kind", "rl, sft or base: sets the sampling (temperature/top_p "
+                                                 "rl 1.0/1.0, sft and base 0.6/0.95)")
+    _alias(p, "--n-samples", "eval.n_samples", "samples per problem (default 32)")
+    _alias(p, "--k", "eval.ks", "pass@k to report, e.g. 1,8,32 (default: powers of two up to n, and n)",
+           kind="list")
+    _alias(p, "--max-new-tokens", "eval.max_new_tokens", "response budget (default: rollout.max_new_tokens, "
+                                                         "else boba's 27648)")
+    _alias(p, "--shuffle-choices", "eval.shuffle_choices", "permute multiple-choice options per problem "
+                                                           "(seeded); GPQA's gold is always A", kind="switch")
+    _alias(p, "--prompt-suffix", "eval.prompt_suffix", "another instruction after each question than "
+                                                       "training's ('' for none)")
+    _alias(p, "--think", "eval.think", "auto, always or never: start responses with '<think>\\n' unlike "
+                                       "training")
+    _alias(p, "--server-url", "server.addresses", "comma-separated host:port of running servers "
+                                                  "(nothing is launched)", kind="list")
+    _alias(p, "--out", "eval.out", "write the JSON report here")
 
 
 def run_eval(a) -> int:
-    import dataclasses
+    from areal_mcore.eval import evaluate, format_table
+    from areal_mcore.eval.config import eval_job
+    from areal_mcore.paths import check_eval_paths
 
-    from areal_mcore.data.jsonl import DatasetConfig
-    from areal_mcore.eval import EvalConfig, evaluate, format_table
-    from areal_mcore.eval.config import DEFAULT_MAX_NEW_TOKENS
-    from areal_mcore.reward.pool import RewardPoolConfig
-    from areal_mcore.rollout.config import ServerConfig
-
-    if a.overrides and not a.config:
-        raise ValueError(f"overrides {a.overrides} change a config file's values: give --config too")
-    exp = None
-    if a.config:
-        from areal_mcore.config import load_config
-
-        exp = load_config(a.config, a.overrides)
-    model = a.model or (exp.model_path if exp else None)
-    if not model:
-        raise ValueError("no model to evaluate: give --model HF_FOLDER (or --config with model_path)")
-    # --data rows are read and prompted as the run's eval set is (format, instruction,
-    # thinking prefix), unless a flag says otherwise.
-    base = (exp.eval_dataset or exp.dataset) if exp else None
-    if a.data:
-        fmt = a.data_format or (base.format if base else "boba")
-        keep = base if base and base.format == fmt else None
-        datasets = [dataclasses.replace(keep, path=path) if keep else DatasetConfig(path=path, format=fmt)
-                    for path in a.data]
-    elif exp and exp.eval_dataset:
-        datasets = [exp.eval_dataset]
-    else:
-        raise ValueError("no dataset to evaluate: give --data a.jsonl[,b.jsonl] (or --config with eval_dataset)")
-    server = exp.server if exp and exp.server else ServerConfig(model_path=model)
-    server = dataclasses.replace(server, model_path=model, backend=a.backend or server.backend,
-                                 addresses=[u.removeprefix("http://") for u in a.server_url or []]
-                                 or server.addresses)
-    cfg = EvalConfig(
-        datasets=datasets, server=server, model_kind=a.model_kind, n_samples=a.n_samples,
-        max_new_tokens=a.max_new_tokens or (exp.rollout.max_new_tokens if exp and exp.rollout
-                                            else DEFAULT_MAX_NEW_TOKENS),
-        tokenizer_path=a.tokenizer or (exp.tokenizer_path if exp else None),
-        temperature=a.temperature, top_p=a.top_p, ks=a.ks, shuffle_choices=a.shuffle_choices,
-        prompt_suffix=a.prompt_suffix, force_think=a.think,
-        max_prompt_tokens=a.max_prompt_tokens or (exp.trainer.max_prompt_tokens if exp and exp.trainer else None),
-        # The run's periodic eval samples with rollout.seed + 1 (trainer/ppo.py): the same
-        # seeds draw the same samples from the same weights.
-        seed=a.seed if a.seed is not None else (exp.rollout.seed + 1 if exp and exp.rollout else 1),
-        reward=exp.reward if exp else RewardPoolConfig(), out=a.out)
-    _check_eval_paths(a, model, exp, datasets)
-    report = evaluate(cfg)
+    job = eval_job(_load_settings(a))
+    check_eval_paths(job)  # before any server starts
+    report = evaluate(job)
     print(format_table(report))
-    if a.out:
-        print(f"report written to {a.out}")
+    if job.eval.out:
+        print(f"report written to {job.eval.out}")
     return 0
 
 

@@ -31,6 +31,7 @@ from areal_mcore.actor.config import ActorConfig
 from areal_mcore.algo.config import PPOConfig
 from areal_mcore.checks import FieldError
 from areal_mcore.data.jsonl import DatasetConfig
+from areal_mcore.eval.config import EvalConfig, FilterConfig
 from areal_mcore.launcher.allocation import parse_allocation
 from areal_mcore.launcher.config import LaunchConfig
 from areal_mcore.plan.config import PlanConfig
@@ -46,28 +47,46 @@ class ConfigError(ValueError):
 
 
 @dataclass(kw_only=True)
-class ExperimentConfig:
-    """Root of every YAML file under configs/. Sections other than the actor's are
-    optional so that tools needing only the actor (conversion) load the same files."""
+class InferenceConfig:
+    """The sections that say which model samples what, where and how its samples are scored,
+    and the eval and filter commands' own sections. `areal-mcore eval` and `filter` read
+    these (eval/config.py resolves what they take from them) and load this root alone when
+    given no --config; ExperimentConfig adds the training sections."""
 
-    experiment_name: str
-    seed: int = 1
     model_path: str | None = None  # HF folder: initial weights and the servers' model
     tokenizer_path: str | None = None  # None: model_path
-    actor: ActorConfig
-    ppo: PPOConfig = field(default_factory=PPOConfig)
     dataset: DatasetConfig | None = None
     eval_dataset: DatasetConfig | None = None  # held-out problems for trainer.eval_freq
     rollout: RolloutConfig | None = None
     server: ServerConfig | None = None
-    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     reward: RewardPoolConfig = field(default_factory=RewardPoolConfig)
     trainer: TrainerConfig | None = None
+    eval: EvalConfig | None = None  # areal-mcore eval (not the run's periodic eval: rollout's sampling)
+    filter: FilterConfig | None = None  # areal-mcore filter
+
+    def __post_init__(self):
+        if self.server is not None and self.server.model_path is None:
+            # The servers serve the model trained or evaluated (the recipes say ${model_path}).
+            self.server = dataclasses.replace(self.server, model_path=self.model_path)
+
+
+@dataclass(kw_only=True)
+class ExperimentConfig(InferenceConfig):
+    """Root of every YAML file under configs/: InferenceConfig's sections and training's.
+    Sections other than the actor's are optional so that tools needing only the actor
+    (conversion) load the same files."""
+
+    experiment_name: str
+    seed: int = 1
+    actor: ActorConfig
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     sft: SFTConfig | None = None
     launch: LaunchConfig = field(default_factory=LaunchConfig)  # Slurm (launcher/slurm.py)
     plan: PlanConfig = field(default_factory=PlanConfig)  # memory planner (areal-mcore plan)
 
     def __post_init__(self):
+        super().__post_init__()
         r, s = self.rollout, self.server
         if r is not None and s is not None and r.min_new_tokens > 0 and s.skip_tokenizer_init:
             # SGLang's raise_if_tokenizer_required: it needs the tokenizer's eos id to hold
@@ -248,7 +267,11 @@ def _dataclass_of(tp: Any) -> type | None:
 
 def _field_type(schema: type, key: str) -> Any:
     tp: Any = schema
-    for part in key.split("."):
+    for part in key.replace("[", ".[").split("."):
+        if part.startswith("["):  # an item of a list ('server.gpus[1]'): the list's element type
+            lists = [a for a in typing.get_args(tp) or (tp,) if typing.get_origin(a) is list]
+            tp = typing.get_args(lists[0])[0] if lists else None
+            continue
         cls = _dataclass_of(tp)
         if cls is None:
             return None

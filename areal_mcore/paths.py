@@ -135,6 +135,50 @@ def check_run_paths(cfg, command: str) -> None:
         check_dataset("dataset.path", cfg.dataset.path)
 
 
+def check_eval_paths(job) -> None:
+    """Every path ``areal-mcore eval`` will use (an ``eval.config.EvalJob``), before any server starts."""
+    server, e = job.server, job.eval
+    if not server.addresses:  # running servers may hold a model this machine has no copy of
+        check_hf_model("server.model_path", server.model_path)
+    _check_tokenizer_of(job)
+    for d in job.datasets:
+        check_dataset("eval.data" if e.data else "eval_dataset.path", d.path)
+    if e.out:
+        check_writable_dir("eval.out", str(Path(e.out).parent))
+
+
+def check_filter_paths(job, kind: str) -> None:
+    """Every path ``areal-mcore filter <kind>`` will use (an ``eval.config.FilterJob``).
+
+    Args:
+        job: the resolved filter section, dataset, servers and tokenizer.
+        kind: ``"difficulty"`` or ``"length"``.
+    """
+    data, f = job.dataset.path, job.filter
+    check_dataset("dataset.path", data)
+    if Path(data).suffix.lower() != ".jsonl" or not Path(data).is_file():
+        # Kept rows are copied byte for byte, which only a JSONL file's lines allow.
+        raise PathError(f"dataset.path={data}: the filters read and write one JSONL file; write the dataset "
+                        "as JSONL first (datasets: Dataset.to_json(path, lines=True))")
+    check_writable_dir("filter.out", str(Path(f.out).parent))
+    if kind == "difficulty" and f.samples:  # scoring precomputed samples: no model
+        check_readable_file("filter.samples", f.samples, "a JSONL file of completions")
+        return
+    if kind == "difficulty" and not job.server.addresses:
+        if not job.server.model_path:
+            raise PathError("filter difficulty needs samples or a model to draw them from: give --model "
+                            "HF_FOLDER, --server-url HOST:PORT with --tokenizer FOLDER, or --samples FILE "
+                            "(server.model_path, server.addresses, filter.samples)")
+        check_hf_model("server.model_path", job.server.model_path)
+    _check_tokenizer_of(job)
+
+
+def _check_tokenizer_of(job) -> None:
+    # The job's tokenizer is tokenizer_path, else the served model's folder (eval/config.py).
+    from_model = job.tokenizer_path is not None and job.tokenizer_path == job.server.model_path
+    check_tokenizer("server.model_path" if from_model else "tokenizer_path", job.tokenizer_path)
+
+
 def is_hub_id(value: str) -> bool:
     """``owner/name`` (one slash, no leading ``/`` or ``.``): what the hub accepts as a repo id."""
     parts = value.split("/")

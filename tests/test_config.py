@@ -180,6 +180,8 @@ SECTION_CASES = {
     "sft": ("sft.response_template=x", "sft.response_template"),
     "launch": ("launch.gpus_per_node=0", "launch.gpus_per_node"),
     "plan": ("plan.margin_gb=-1", "plan.margin_gb"),
+    "eval": ("eval={model_kind: rl, n_samples: 0}", "eval.n_samples"),  # model_kind is required
+    "filter": ("filter={out: kept.jsonl, k: 0}", "filter.k"),  # and out
 }
 
 
@@ -198,6 +200,16 @@ def test_every_config_section_has_a_validation_case():
 
     sections = {k for k in _all_keys(ExperimentConfig) if _dataclass_of(_field_type(ExperimentConfig, k))}
     assert sections == set(SECTION_CASES)
+
+
+def test_a_bad_list_item_names_the_item_and_the_element_type():
+    with pytest.raises(ConfigError, match=r"override 'server.gpus=\[0, x\]': config key 'server.gpus\[1\]' expects int"):
+        load_config(TINY, ["server.gpus=[0, x]"])
+
+
+def test_the_servers_serve_model_path_unless_server_model_path_says_otherwise():
+    assert load_config(TINY, ["server.model_path=null", "model_path=m"]).server.model_path == "m"
+    assert load_config(TINY, ["server.model_path=other"]).server.model_path == "other"
 
 
 def test_a_bogus_weight_sync_mode_is_reported_once_with_the_choices():

@@ -7,13 +7,15 @@ import itertools
 import json
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
 from areal_mcore.cli import main
+from areal_mcore.config import InferenceConfig, load_config
 from areal_mcore.data.jsonl import LETTERS, DatasetConfig, DatasetError, Problem, load_problems
 from areal_mcore.eval.choices import shuffle_choices
-from areal_mcore.eval.config import EvalConfig, eval_server_config
+from areal_mcore.eval.config import EvalConfig, eval_job, eval_server_config, sampling
 from areal_mcore.eval.passk import default_ks, pass_at_k, pass_at_ks
 from areal_mcore.rollout.config import ServerConfig
 from areal_mcore.rollout.servers import server_command
@@ -92,20 +94,16 @@ def test_shuffle_choices_is_seeded_and_moves_the_gold_letter_with_its_option():
 # ---------------------------------------------------------------------------- settings
 
 
-def _cfg(**kw) -> EvalConfig:
-    return EvalConfig(datasets=[DatasetConfig(path="x.jsonl")], server=ServerConfig(model_path="m"), **kw)
-
-
 def test_sampling_defaults_follow_the_model_kind_unless_overridden():
-    assert _cfg(model_kind="rl").sampling() == (1.0, 1.0)
-    assert _cfg(model_kind="sft").sampling() == (0.6, 0.95)
-    assert _cfg(model_kind="base").sampling() == (0.6, 0.95)
-    assert _cfg(model_kind="sft", temperature=0.0, top_p=1.0).sampling() == (0.0, 1.0)
-    assert _cfg(model_kind="rl").n_samples == 32
+    assert sampling(EvalConfig(model_kind="rl")) == (1.0, 1.0)
+    assert sampling(EvalConfig(model_kind="sft")) == (0.6, 0.95)
+    assert sampling(EvalConfig(model_kind="base")) == (0.6, 0.95)
+    assert sampling(EvalConfig(model_kind="sft", temperature=0.0, top_p=1.0)) == (0.0, 1.0)
+    assert EvalConfig(model_kind="rl").n_samples == 32
     with pytest.raises(ValueError, match=r"model_kind='ppo' is not allowed; choose one of \['rl', 'sft', 'base'\]"):
-        _cfg(model_kind="ppo")
+        EvalConfig(model_kind="ppo")
     with pytest.raises(ValueError, match="k=64 and n_samples=32"):
-        _cfg(model_kind="rl", ks=[1, 64])
+        EvalConfig(model_kind="rl", ks=[1, 64])
 
 
 def test_eval_servers_get_the_long_context_sglang_flags_and_embedded_none(tmp_path):
@@ -194,7 +192,9 @@ def test_correct_samples_are_counted_per_problem(monkeypatch):
     data = [(DatasetConfig(path=f"d{i}.jsonl"), [Prompt(input_ids=[i, j], solutions=(str(c),), source=f"d{i}:{j}")
                                                  for j, c in enumerate(cs)], 0) for i, cs in enumerate(wanted)]
     decode = lambda ids: str(ids[0])  # noqa: E731
-    rows = asyncio.run(run._sample(_cfg(model_kind="rl", n_samples=4, ks=[2, 4]), ["fake:1"], reward, decode, data))
+    job = eval_job(InferenceConfig(eval=EvalConfig(model_kind="rl", n_samples=4, ks=[2, 4], data=["x.jsonl"]),
+                                   server=ServerConfig(model_path="m")))
+    rows = asyncio.run(run._sample(job, ["fake:1"], reward, decode, data))
     assert [[p["correct"] for p in r["per_problem"]] for r in rows] == wanted
     assert rows[0]["pass@1"] == pytest.approx(7 / 12) and rows[0]["pass@4"] == pytest.approx(2 / 3)
     assert rows[1]["pass@2"] == pytest.approx(pass_at_k(4, 1, 2))
@@ -203,29 +203,72 @@ def test_correct_samples_are_counted_per_problem(monkeypatch):
 # ---------------------------------------------------------------------------- CLI
 
 
-def test_eval_cli_unknown_model_kind_lists_the_allowed_ones(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["eval", "--model", "m", "--data", "x.jsonl", "--model-kind", "ppo"])
-    assert e.value.code == 2
-    assert "invalid choice: 'ppo'" in capsys.readouterr().err
+TINY = Path(__file__).parents[1] / "configs" / "tiny_cpu.yaml"
+
+
+class _Started(Exception):
+    pass
+
+
+def _job_of(monkeypatch, *args: str):
+    """The EvalJob `areal-mcore eval ARGS` would run, caught where evaluation would start."""
+    def evaluate(job):
+        raise _Started(job)
+
+    monkeypatch.setattr("areal_mcore.eval.evaluate", evaluate)
+    monkeypatch.setattr("areal_mcore.paths.check_eval_paths", lambda job: None)
+    with pytest.raises(_Started) as e:
+        main(["eval", *args])
+    return e.value.args[0]
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--k", "1,8", "--n-samples", "4"], "pass@8 needs k <= n_samples, got k=8 and n_samples=4"),
-    (["--k", "1,x"], "'1,x' is not a comma-separated list of int"),
-    (["server.tp_size=2"], "give --config too"),
+    (["--model-kind", "ppo"], "eval.model_kind='ppo' is not allowed; choose one of ['rl', 'sft', 'base']"),
+    (["--model-kind", "rl", "eval.n_samples=0"], "eval.n_samples=0 must be > 0"),
+    (["--model-kind", "rl", "--k", "1,8", "--n-samples", "4"],
+     "pass@8 needs k <= n_samples, got k=8 and n_samples=4"),
+    (["--model-kind", "rl", "--k", "1,x"], "config key 'eval.ks[1]' expects int, got 'x'"),
+    ([], "missing required config value 'eval.model_kind'"),
 ])
-def test_eval_cli_bad_values_say_what_to_fix(args, message, capsys):
-    try:
-        rc = main(["eval", "--model", "m", "--data", "x.jsonl", "--model-kind", "rl", *args])
-    except SystemExit as e:  # argparse type errors
-        rc = e.code
-    assert rc == 2 and message in capsys.readouterr().err
+def test_eval_cli_bad_values_name_the_key_and_what_to_fix(args, message, capsys):
+    assert main(["eval", "--model", "m", "--data", "x.jsonl", *args]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_eval_cli_without_data_names_the_flag(capsys):
     assert main(["eval", "--model", "m", "--model-kind", "sft"]) == 2
     assert "give --data a.jsonl[,b.jsonl]" in capsys.readouterr().err
+
+
+def test_eval_flags_and_the_overrides_they_stand_for_give_the_same_job(monkeypatch):
+    flags = _job_of(monkeypatch, "--model", "m", "--data", "a.jsonl,b.jsonl", "--model-kind", "sft",
+                    "--n-samples", "8", "--k", "1,8", "--prompt-suffix", "", "--shuffle-choices",
+                    "--server-url", "http://h:1", "--out", "r.json")
+    keys = _job_of(monkeypatch, "server.model_path=m", "eval.data=[a.jsonl,b.jsonl]", "eval.model_kind=sft",
+                   "eval.n_samples=8", "eval.ks=[1,8]", "eval.prompt_suffix=''", "eval.shuffle_choices=true",
+                   "server.addresses=[h:1]", "eval.out=r.json")
+    assert flags == keys
+    assert (flags.eval.ks, flags.eval.prompt_suffix, flags.server.addresses) == ([1, 8], "", ["h:1"])
+
+
+def test_eval_defaults_come_from_the_experiment_sections(monkeypatch):
+    run = load_config(TINY)
+    job = _job_of(monkeypatch, "--config", str(TINY), "--model-kind", "rl")
+    assert job.server == run.server and job.server.model_path == run.model_path == job.tokenizer_path
+    assert job.datasets == [run.eval_dataset] and job.reward == run.reward
+    e = job.eval
+    assert (e.seed, e.max_new_tokens, e.max_prompt_tokens) == (run.rollout.seed + 1, run.rollout.max_new_tokens,
+                                                                run.trainer.max_prompt_tokens)
+    # --data files are read as the run's eval set; in another format, as plain rows of it.
+    same = _job_of(monkeypatch, "--config", str(TINY), "--model-kind", "rl", "--data", "o.jsonl",
+                   "eval_dataset.instruction=''")
+    assert same.datasets[0] == DatasetConfig(path="o.jsonl", instruction="")
+    qa = _job_of(monkeypatch, "--config", str(TINY), "--model-kind", "rl", "--data", "o.jsonl",
+                 "--data-format", "qa", "eval_dataset.instruction=''")
+    assert qa.datasets[0] == DatasetConfig(path="o.jsonl", format="qa")
+    # Without --config, the keys' own defaults.
+    bare = _job_of(monkeypatch, "--model", "m", "--data", "o.jsonl", "--model-kind", "rl").eval
+    assert (bare.seed, bare.max_new_tokens, bare.max_prompt_tokens) == (1, 27648, None)
 
 
 @pytest.mark.server

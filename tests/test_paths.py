@@ -92,15 +92,17 @@ def test_non_writable_log_dirs_name_the_key(good, tmp_path, capsys):
 
 def test_eval_filter_and_convert_check_their_paths_first(good, tmp_path, capsys):
     rc = main(["eval", "--model", "/nonexistent", "--data", str(good["data"]), "--model-kind", "rl"])
-    assert "--model=/nonexistent: no such file or folder" in _one_line_error(capsys, rc)
+    assert "server.model_path=/nonexistent: no such file or folder" in _one_line_error(capsys, rc)
     rc = main(["eval", "--model", str(good["model"]), "--data", str(tmp_path / "x.jsonl"), "--model-kind", "rl"])
-    assert f"--data={tmp_path / 'x.jsonl'}: no such file or folder" in _one_line_error(capsys, rc)
+    assert f"eval.data={tmp_path / 'x.jsonl'}: no such file or folder" in _one_line_error(capsys, rc)
     rc = main(["eval", "--model", str(good["model"]), "--data", str(good["data"]), "--model-kind", "rl",
                "--out", "/proc/areal/report.json"])
-    assert "--out=/proc/areal: cannot write in /proc" in _one_line_error(capsys, rc)
+    assert "eval.out=/proc/areal: cannot write in /proc" in _one_line_error(capsys, rc)
     rc = main(["filter", "difficulty", "--data", str(good["data"]), "--samples", str(tmp_path / "s.jsonl"),
                "--out", str(tmp_path / "o.jsonl")])
-    assert f"--samples={tmp_path / 's.jsonl'}: no such file or folder" in _one_line_error(capsys, rc)
+    assert f"filter.samples={tmp_path / 's.jsonl'}: no such file or folder" in _one_line_error(capsys, rc)
+    rc = main(["filter", "difficulty", "--data", str(good["data"]), "--out", str(tmp_path / "o.jsonl")])
+    assert "filter difficulty needs samples or a model to draw them from" in _one_line_error(capsys, rc)
     rc = main(["convert", "hf-to-mcore", "--input", str(tmp_path), "--output", str(tmp_path / "ck")])
     assert f"--input={tmp_path}: the folder has no config.json" in _one_line_error(capsys, rc)
 

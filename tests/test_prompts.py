@@ -7,13 +7,13 @@ import json
 
 import pytest
 
+from areal_mcore.config import InferenceConfig
 from areal_mcore.data.jsonl import DatasetConfig, load_problems
 from areal_mcore.data.prompts import BOBA_SUFFIX, instruction_for, prompts_for
 from areal_mcore.data.synthetic import SUFFIX, generate, write_jsonl
 from areal_mcore.data.tokenizer import build_tokenizer
-from areal_mcore.eval.config import EvalConfig
+from areal_mcore.eval.config import EvalConfig, eval_job
 from areal_mcore.eval.run import prompt_config
-from areal_mcore.rollout.config import ServerConfig
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +53,17 @@ def test_eval_defaults_to_the_training_prompts_and_names_each_opt_in_change(tok,
 
     path = write_jsonl(generate(4, seed=3), tmp_path / "t.jsonl")
     d = DatasetConfig(path=str(path))
-    base = dict(datasets=[d], server=ServerConfig(model_path="m"), model_kind="rl", max_new_tokens=8)
-    same, changes = prompt_config(d, EvalConfig(**base))
+    def job(**kw):  # the run's eval set, evaluated on the run's model
+        return eval_job(InferenceConfig(model_path="m", eval_dataset=d,
+                                        eval=EvalConfig(model_kind="rl", max_new_tokens=8, **kw)))
+
+    same, changes = prompt_config(d, job().eval)
     assert same == d and changes == []
     trained = prompts_for(d, tok, max_prompt_tokens=1024).prompts  # what trainer/ppo.py builds
-    prompts, dropped, prefix, changes = run._prompts(d, EvalConfig(**base), tok)
+    prompts, dropped, prefix, changes = run._prompts(d, job(), tok)
     assert [p.input_ids for p in prompts] == [p.input_ids for p in trained] and changes == []
     assert "prompts as in training" in capsys.readouterr().out
-    other = EvalConfig(**base, prompt_suffix=BOBA_SUFFIX, force_think="always")
-    prompts, _, prefix, changes = run._prompts(d, other, tok)
+    prompts, _, prefix, changes = run._prompts(d, job(prompt_suffix=BOBA_SUFFIX, think="always"), tok)
     assert changes == [f"instruction {BOBA_SUFFIX!r} instead of 'auto'", "think=always instead of auto"]
     assert prefix == "<think>\n" and "DIFFER from training" in capsys.readouterr().out
     assert all(tok.decode(p.input_ids).endswith("<|im_start|>assistant\n<think>\n") for p in prompts)

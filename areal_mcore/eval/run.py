@@ -1,7 +1,7 @@
-"""``evaluate(cfg)``: n samples per problem from rollout servers, scored by the boba reward,
+"""``evaluate(job)``: n samples per problem from rollout servers, scored by the boba reward,
 reported as pass@1 (averaged over samples) and unbiased pass@k per dataset.
 
-Every dataset gets its own rollout controller seeded by ``cfg.seed``, so a dataset's
+Every dataset gets its own rollout controller seeded by ``eval.seed``, so a dataset's
 samples depend on the seed and its problems only, not on which other datasets ran.
 """
 
@@ -21,8 +21,10 @@ from areal_mcore.eval.config import (
     EVAL_SGLANG_ARGS,
     EVAL_VLLM_ARGS,
     EvalConfig,
+    EvalJob,
     check_full_attention,
     eval_server_config,
+    sampling,
 )
 from areal_mcore.eval.passk import default_ks, pass_at_ks
 
@@ -33,13 +35,14 @@ def prompt_config(d: DatasetConfig, cfg: EvalConfig) -> tuple[DatasetConfig, lis
     if cfg.prompt_suffix is not None and cfg.prompt_suffix != d.instruction:
         new["instruction"] = cfg.prompt_suffix
         changes.append(f"instruction {cfg.prompt_suffix!r} instead of {d.instruction!r}")
-    if cfg.force_think is not None and cfg.force_think != d.think:
-        new["think"] = cfg.force_think
-        changes.append(f"think={cfg.force_think} instead of {d.think}")
+    if cfg.think is not None and cfg.think != d.think:
+        new["think"] = cfg.think
+        changes.append(f"think={cfg.think} instead of {d.think}")
     return dataclasses.replace(d, **new), changes
 
 
-def _prompts(d: DatasetConfig, cfg: EvalConfig, tokenizer):
+def _prompts(d: DatasetConfig, job: EvalJob, tokenizer):
+    cfg = job.eval
     d, changes = prompt_config(d, cfg)
     problems, _ = load_problems(d)
     if cfg.shuffle_choices:
@@ -48,12 +51,12 @@ def _prompts(d: DatasetConfig, cfg: EvalConfig, tokenizer):
     prompts, dropped = ps.prompts, ps.dropped_long
     if not prompts:
         raise ValueError(f"{d.path}: no problem left to evaluate ({dropped} longer than "
-                         f"max_prompt_tokens={cfg.max_prompt_tokens})")
+                         f"eval.max_prompt_tokens={cfg.max_prompt_tokens})")
     budget = max(len(p.input_ids) for p in prompts) + cfg.max_new_tokens
-    if not cfg.server.addresses and budget > cfg.server.context_length:
-        raise ValueError(f"{d.path}: the longest prompt plus max_new_tokens={cfg.max_new_tokens} is {budget} "
-                         f"tokens, over the servers' context_length={cfg.server.context_length}: lower "
-                         f"max_new_tokens or raise server.context_length")
+    if not job.server.addresses and budget > job.server.context_length:
+        raise ValueError(f"{d.path}: the longest prompt plus eval.max_new_tokens={cfg.max_new_tokens} is {budget} "
+                         f"tokens, over the servers' context_length={job.server.context_length}: lower "
+                         f"eval.max_new_tokens or raise server.context_length")
     given = ", ".join(f"{n} x {t!r}" if t else f"{n} x none" for t, n in ps.instructions.items())
     print(f"[eval] {d.path}: prompts "
           + (f"DIFFER from training: {'; '.join(changes)}" if changes else "as in training")
@@ -61,8 +64,8 @@ def _prompts(d: DatasetConfig, cfg: EvalConfig, tokenizer):
     return prompts, dropped, ps.response_prefix, changes
 
 
-def evaluate(cfg: EvalConfig) -> dict:
-    """Samples, scores and reports every dataset; writes the report to ``cfg.out`` if set.
+def evaluate(job: EvalJob) -> dict:
+    """Samples, scores and reports every dataset; writes the report to ``eval.out`` if set.
 
     Returns:
         ``{"model", settings..., "datasets": [{"dataset", "problems", "pass@1", "pass@k"...}]}``.
@@ -71,26 +74,27 @@ def evaluate(cfg: EvalConfig) -> dict:
 
     from areal_mcore.reward.pool import RewardPool
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.server.model_path)
+    cfg = job.eval
+    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_path)
     # Data errors surface before any server starts.
-    built = [(d, _prompts(d, cfg, tokenizer)) for d in cfg.datasets]
+    built = [(d, _prompts(d, job, tokenizer)) for d in job.datasets]
     data = [(d, prompts, dropped) for d, (prompts, dropped, _, _) in built]
     prefixes = sorted({prefix for _, (_, _, prefix, _) in built})
     changes = sorted({c for _, (*_, cs) in built for c in cs})
     servers = []
     try:
-        servers, addresses, server_info = _servers(cfg)
-        with RewardPool(cfg.reward) as pool:
+        servers, addresses, server_info = _servers(job)
+        with RewardPool(job.reward) as pool:
             decode = partial(tokenizer.decode, skip_special_tokens=True)
-            rows = asyncio.run(_sample(cfg, addresses, pool.ascore, decode, data))
+            rows = asyncio.run(_sample(job, addresses, pool.ascore, decode, data))
     finally:
         for s in servers:
             s.stop()
     if len({r["dataset"] for r in rows}) < len(rows):  # same file name in two folders
         for r in rows:
             r["dataset"] = r["path"]
-    temperature, top_p = cfg.sampling()
-    report = {"model": cfg.server.model_path, "model_kind": cfg.model_kind, "n_samples": cfg.n_samples,
+    temperature, top_p = sampling(cfg)
+    report = {"model": job.server.model_path, "model_kind": cfg.model_kind, "n_samples": cfg.n_samples,
               "temperature": temperature, "top_p": top_p, "max_new_tokens": cfg.max_new_tokens,
               "seed": cfg.seed, "shuffle_choices": cfg.shuffle_choices, "prompt_suffix": cfg.prompt_suffix,
               "response_prefix": prefixes[0] if len(prefixes) == 1 else prefixes,
@@ -101,37 +105,38 @@ def evaluate(cfg: EvalConfig) -> dict:
     return report
 
 
-def _servers(cfg: EvalConfig) -> tuple[list, list[str], dict]:
+def _servers(job: EvalJob) -> tuple[list, list[str], dict]:
     """(servers launched here, addresses, what the report says about them)."""
     from areal_mcore.rollout.servers import launch_servers
 
-    if cfg.server.addresses:
-        check_full_attention(cfg.server.model_path)
-        print(f"[eval] using running servers {cfg.server.addresses}; boba's eval settings for SGLang "
+    if job.server.addresses:
+        check_full_attention(job.server.model_path)
+        print(f"[eval] using running servers {job.server.addresses}; boba's eval settings for SGLang "
               f"are {' '.join(EVAL_SGLANG_ARGS)} (set when they were started)", flush=True)
-        return [], list(cfg.server.addresses), {"addresses": list(cfg.server.addresses)}
-    server = eval_server_config(cfg.server)
+        return [], list(job.server.addresses), {"addresses": list(job.server.addresses)}
+    server = eval_server_config(job.server)
+    out = job.eval.out
     settings = (" ".join(EVAL_SGLANG_ARGS) if server.backend == "sglang" else
                 " ".join(EVAL_VLLM_ARGS) if server.backend == "vllm" else
                 "none needed (the embedded server is eager PyTorch with whole-prompt prefill and full attention)")
     print(f"[eval] starting {server.n_servers} {server.backend} server(s); eval settings: {settings}", flush=True)
     # Unless server.log_dir says otherwise, the logs go with the report.
-    servers = launch_servers(server, default_log_dir=str(Path(cfg.out).with_suffix("")) + "_servers"
-                             if cfg.out else None)
+    servers = launch_servers(server, default_log_dir=str(Path(out).with_suffix("")) + "_servers" if out else None)
     return servers, [s.address for s in servers], {"backend": server.backend, "extra_args": server.extra_args}
 
 
-async def _sample(cfg: EvalConfig, addresses: list[str], reward_fn, decode, data) -> list[dict]:
+async def _sample(job: EvalJob, addresses: list[str], reward_fn, decode, data) -> list[dict]:
     from areal_mcore.rollout.client import ClientConfig, RolloutClient
     from areal_mcore.rollout.controller import RolloutConfig, RolloutController
 
-    temperature, top_p = cfg.sampling()
+    cfg = job.eval
+    temperature, top_p = sampling(cfg)
     rollout = RolloutConfig(max_new_tokens=cfg.max_new_tokens, n_samples=cfg.n_samples, temperature=temperature,
                             top_p=top_p, seed=cfg.seed, max_concurrent_rollouts=cfg.max_concurrent_rollouts)
     ks = cfg.ks or default_ks(cfg.n_samples)
     rows = []
-    async with RolloutClient(ClientConfig(addresses=addresses, api_key=cfg.server.api_key,
-                                          backend=cfg.server.backend)) as client:
+    async with RolloutClient(ClientConfig(addresses=addresses, api_key=job.server.api_key,
+                                          backend=job.server.backend)) as client:
         for d, prompts, dropped in data:
             t0 = time.perf_counter()
             batch = await RolloutController(rollout, client, reward_fn, decode).rollout_batch(prompts)

@@ -15,7 +15,7 @@ from areal_mcore.rollout.engines.options import BACKENDS, VLLMOptions
 
 @dataclass(kw_only=True)
 class ServerConfig:
-    model_path: str
+    model_path: str | None = None  # None: the root config's model_path (config.py fills it in)
     backend: str = "embedded"
     n_servers: int = 1
     tp_size: int = 1
@@ -31,7 +31,7 @@ class ServerConfig:
     log_dir: str | None = None  # None: the launching tool's default (the trainer's: <run>/servers)
     startup_timeout_s: float = 600.0
     extra_args: list[str] = field(default_factory=list)
-    # Servers already running (host:port); when set, nothing is launched.
+    # Servers already running (host:port; an http:// prefix is dropped); when set, nothing is launched.
     addresses: list[str] = field(default_factory=list)
     # The interpreter that runs the server; None: this one (vLLM on CPU: .venv-vllm).
     python: str | None = None
@@ -43,6 +43,7 @@ class ServerConfig:
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
 
     def __post_init__(self):
+        self.addresses = [a.removeprefix("http://") for a in self.addresses]  # the client adds it
         check_choice("backend", self.backend, BACKENDS)
         check_positive("n_servers", self.n_servers)
         check_positive("tp_size", self.tp_size)
