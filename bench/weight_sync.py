@@ -1,14 +1,17 @@
 """Weight sync on CPU/gloo: our bucketed sync vs one raw broadcast of the same bytes.
 
 A random ~156M-parameter Qwen2 (hidden 1024, 8 layers, vocab 32k) as a megatron actor
-(TP=1), two embedded servers (bf16), rollout dtype bf16. In one run: a raw gloo
-``broadcast`` of the same number of bytes to two plain receiver processes (the
-baseline), then full syncs (pause -> buckets -> flush -> resume) for bucket sizes 64 MB
-... 2 GB, flattened and per tensor, with the time split. The cost model of
+(TP=1, bf16 as the boba recipes train; ``--actor-dtype float32`` adds a cast), two
+embedded servers (bf16), rollout dtype bf16. In one run: a raw gloo ``broadcast`` of the
+same number of bytes to two plain receiver processes (the baseline), then full syncs
+(pause -> buckets -> flush -> resume; the fastest of 3 after a warm-up) for bucket sizes
+32 MB ... 1 GB, flattened and per tensor, with the time split and the most memory the
+sync held at once, in buckets (the overlap's price: bucket k+1 is packed while bucket k is
+on the wire, so at most two where a sync without overlap holds one). The cost model of
 ``areal_mcore/weight_sync/projection.py`` is calibrated with numbers measured here
 (link bandwidth, per-message latency, HTTP round trip, copy bandwidth), compared with
 every measured sync, then used for the 1.5B/7B/32B x 16/128/1024-GPU projection.
-Run: ``python bench/weight_sync.py`` (about 2 minutes on 2 cores).
+Run: ``python bench/weight_sync.py`` (about 3 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from areal_mcore.rollout.embedded.server import join_group
 from areal_mcore.rollout.fleet import Fleet
 from areal_mcore.rollout.servers import launch_servers
 from areal_mcore.weight_sync import weight_syncer
+from areal_mcore.weight_sync.buckets import DTYPES
 from areal_mcore.weight_sync.config import WeightSyncConfig
 from areal_mcore.weight_sync.group import init_update_group
 from areal_mcore.weight_sync.projection import GPU_LINK, LinkModel, predict_sync_s, projection_table
@@ -108,23 +112,48 @@ async def http_rtt(addresses: list[str], n: int = 20) -> float:
         return (time.perf_counter() - t) / n
 
 
-async def one_config(actor, addresses, bucket_mb: float, flatten: bool):
+async def one_config(actor, addresses, bucket_mb: float, flatten: bool, repeats: int = 3):
+    """The fastest of ``repeats`` pushes (after a warm-up: allocations, connections), the
+    plan, and the most memory the sync held at once beyond the actor's: its two bucket
+    buffers plus the payload tensors of its own (neither a parameter's nor a buffer's
+    memory: q/k/v cut out of a fused weight, TP-gathered tensors) of two consecutive
+    buckets, bucket k on the wire while bucket k+1 is packed."""
     cfg = WeightSyncConfig(bucket_mb=bucket_mb, flatten=flatten, dtype="bfloat16",
                            master_address="127.0.0.1")
     syncer = weight_syncer(cfg, actor, addresses)
+    params = {p.untyped_storage().data_ptr() for p in actor.model.module.parameters()}
+    owned: list[list[int]] = []  # per push, per bucket
+    pack = syncer._pack
+
+    def counting_pack(plan, i, shards, stats):
+        payload = pack(plan, i, shards, stats)
+        shared = params | {t.untyped_storage().data_ptr() for b in syncer._buffers for t in b._bufs.values()}
+        fresh = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in payload
+                 if t.untyped_storage().data_ptr() not in shared}
+        owned[-1].append(sum(fresh.values()))
+        return payload
+    syncer._pack = counting_pack
     await syncer.connect()
-    await syncer.push(1)  # warm-up: allocations, connections
-    stats = await syncer.push(2)
+    runs = []
+    for version in range(1 + repeats):
+        owned.append([])
+        runs.append(await syncer.push(version + 1))
+    runs = runs[1:]
     await syncer.close()
-    if stats.failures:
-        raise RuntimeError(stats.failures)
-    return stats, syncer.plan()
+    if any(r.failures for r in runs):
+        raise RuntimeError([r.failures for r in runs])
+    buffers = sum(t.untyped_storage().nbytes() for b in syncer._buffers for t in b._bufs.values())
+    in_flight = max(a + b for push in owned for a, b in zip(push, push[1:] + [0]))
+    return min(runs, key=lambda r: r.total_s), syncer.plan(), buffers + in_flight
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="a tiny model (smoke test)")
-    ap.add_argument("--buckets", default="64,256,1024,2048", help="bucket sizes in MB")
+    ap.add_argument("--buckets", default="32,64,256,1024", help="bucket sizes in MB")
+    # The boba recipes train in bf16 (configs/boba_*.yaml actor.dtype): the sync copies
+    # bf16 parameters into bf16 buckets. fp32 adds a cast to every copy.
+    ap.add_argument("--actor-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--out", default=str(RESULTS), help="where the JSON results go ('' for nowhere)")
     a = ap.parse_args(argv)
     buckets = [float(b) for b in a.buckets.split(",")]
@@ -137,7 +166,7 @@ def main(argv=None) -> dict:
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     config = hf_config(a.small)
-    actor = MegatronActor(ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=1024),
+    actor = MegatronActor(ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=1024), dtype=a.actor_dtype,
                                       optimizer=OptimizerConfig(lr=1e-5)), config)
     with tempfile.TemporaryDirectory() as root:
         torch.manual_seed(1)
@@ -151,8 +180,10 @@ def main(argv=None) -> dict:
             rows = []
             for bucket_mb in buckets:
                 for flatten in (True, False):
-                    stats, plan = asyncio.run(one_config(actor, addresses, bucket_mb, flatten))
+                    stats, plan, held = asyncio.run(one_config(actor, addresses, bucket_mb, flatten))
+                    largest = max(sum(u.nbytes(DTYPES[plan.dtype]) for u in b) for b in plan.buckets)
                     rows.append({"bucket_mb": bucket_mb, "flatten": flatten, "buckets": stats.buckets,
+                                 "held_buckets": held / largest,
                                  "tensors": sum(len(u.hf) for b in plan.buckets for u in b),
                                  "bytes": stats.bytes, "total_s": stats.total_s, "gather_s": stats.gather_s,
                                  "convert_s": stats.convert_s, "http_s": stats.http_s, "wire_s": stats.wire_s})
@@ -178,15 +209,17 @@ def main(argv=None) -> dict:
           f"HTTP round trip {rtt * 1e3:.1f} ms, copy {cpu.load_GBps:.1f} GB/s, "
           f"fp32->bf16 cast {cpu.convert_GBps:.1f} GB/s")
     print(f"{'bucket MB':>9} {'flat':>5} {'#b':>4} {'total ms':>9} {'GB/s':>6} {'/raw':>5} "
-          f"{'gather':>7} {'convert':>8} {'http':>7} {'wire':>7} {'model ms':>9} {'err':>6}")
+          f"{'gather':>7} {'convert':>8} {'http':>7} {'wire':>7} {'model ms':>9} {'err':>6} {'held/bucket':>11}")
     for r in rows:
         print(f"{r['bucket_mb']:>9g} {('yes' if r['flatten'] else 'no'):>5} {r['buckets']:>4} "
               f"{r['total_s'] * 1e3:>9.0f} {r['GBps']:>6.2f} {r['ratio_to_raw']:>5.2f} "
               f"{r['gather_s'] * 1e3:>7.0f} {r['convert_s'] * 1e3:>8.0f} {r['http_s'] * 1e3:>7.0f} "
-              f"{r['wire_s'] * 1e3:>7.0f} {r['predicted_s'] * 1e3:>9.0f} {r['error']:>+6.0%}")
+              f"{r['wire_s'] * 1e3:>7.0f} {r['predicted_s'] * 1e3:>9.0f} {r['error']:>+6.0%} "
+              f"{r['held_buckets']:>11.2f}")
     best = max(rows, key=lambda r: r["ratio_to_raw"])
     print(f"best: {best['bucket_mb']:g} MB {'flattened' if best['flatten'] else 'per tensor'}: "
-          f"{best['ratio_to_raw']:.2f}x raw broadcast; model error "
+          f"{best['ratio_to_raw']:.2f}x raw broadcast, holding at most {best['held_buckets']:.2f}x its largest "
+          f"bucket (a sync without overlap: 1); model error "
           f"{min(r['error'] for r in rows):+.0%} .. {max(r['error'] for r in rows):+.0%}")
 
     table = projection_table(GPU_LINK)

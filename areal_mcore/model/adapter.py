@@ -145,7 +145,7 @@ def _shard_gate_up(hf, args, rank, tp, _):
 
 def _merge_gate_up(shards, args):
     halves = [s.chunk(2, dim=0) for s in shards]
-    return [torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)]
+    return [_cat([h[0] for h in halves], 0), _cat([h[1] for h in halves], 0)]
 
 
 def _shard_vocab(hf, args, rank, tp, padded_vocab):
@@ -222,10 +222,12 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, *, tp_rank: in
 
 
 def to_hf(shards: list[dict[str, torch.Tensor]], args: ModelArgs, *, pp_rank: int,
-          pp_size: int, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+          pp_size: int, only: set[str] | None = None, contiguous: bool = True) -> dict[str, torch.Tensor]:
     """HF tensors of one PP stage from the megatron state dicts of all its TP ranks.
 
     ``only`` restricts the conversion to those megatron names (a weight-sync bucket).
+    ``contiguous=False``: views where the layout allows (a lone shard, q/k/v of a fused
+    weight), for a caller that copies them anyway; they share the shards' memory.
     """
     out = {}
     for p, name, hf_names in stage_entries(args, pp_rank, pp_size, tied_copy=False):
@@ -233,7 +235,7 @@ def to_hf(shards: list[dict[str, torch.Tensor]], args: ModelArgs, *, pp_rank: in
             continue
         _, merge = _KINDS[p.kind]
         for h, t in zip(hf_names, merge([s[name] for s in shards], args), strict=True):
-            out[h] = t.contiguous()
+            out[h] = t.contiguous() if contiguous else t
     return out
 
 

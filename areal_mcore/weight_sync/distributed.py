@@ -191,17 +191,26 @@ class DistributedSync(Syncer):
         stats.dropped_servers = await self._drop_gone_servers()
         if self._regroup:
             await self._form_groups()
+        # Bucket 0 is collected now (the TP all-gather: at the same point on every rank of
+        # the stage, never beside another collective) and packed on a thread (local work)
+        # while the servers pause: the first send need not wait for it.
+        plan = self.plan()
+        shards = await self._in_thread(self._collect, plan, 0, stats)
+        first = (asyncio.ensure_future(self._in_thread(self._pack, plan, 0, shards, stats))
+                 if self.roles.sender else None)
         try:
             await self.coordinate(stats, "pausing the servers",
                                   lambda: self.updater.begin(self.cfg.pause_mode))
             for stage in range(self.g.pp_size):
                 if stage == self.g.pp_rank:
-                    await self._send_stage(version, stats)
+                    await self._send_stage(version, stats, first)
                 await self.agree(stats, f"sending stage {stage}")
             await self.coordinate(stats, "resuming the servers",
                                   lambda: self.updater.finish(self.cfg.pause_mode, str(version)))
         except WeightSyncError:
             self._regroup = True
+            if first is not None:  # no thread may still write a buffer the next push reuses
+                await asyncio.gather(first, return_exceptions=True)
             if self.roles.coordinator:  # no session may stay open: the next begin would fail
                 await self.updater.end(best_effort=True)
             raise
@@ -227,15 +236,16 @@ class DistributedSync(Syncer):
         self._regroup = True  # the groups' world size changed
         return gone
 
-    async def _send_stage(self, version: int, stats: SyncStats) -> None:
+    async def _send_stage(self, version: int, stats: SyncStats, first: asyncio.Future | None) -> None:
+        """This stage's buckets; ``first``: bucket 0's payload (being packed)."""
         plan = self.plan()
         n = len(plan.buckets)
-        if not self.roles.sender:  # TP peers: take part in every bucket's all-gather
-            for i in range(n):
-                self._gather(plan, i, stats)
+        if not self.roles.sender:  # TP peers: take part in every later bucket's all-gather
+            for i in range(1, n):
+                self._collect(plan, i, stats)
             return
         last_stage = self.g.pp_rank == self.g.pp_size - 1
-        payload = await self._in_thread(self._gather, plan, 0, stats)
+        payload = await first
         for i in range(n):
             nxt = (asyncio.ensure_future(self._in_thread(self._gather, plan, i + 1, stats))
                    if i + 1 < n else None)  # overlaps this bucket's send
@@ -308,8 +318,12 @@ class DistributedSync(Syncer):
         finally:
             setattr(stats, key, getattr(stats, key) + time.perf_counter() - t)
 
-    def _gather(self, plan: SyncPlan, i: int, stats: SyncStats) -> list[torch.Tensor] | None:
-        """TP all-gather of bucket ``i``; on the stage head, its HF tensors ready to send."""
+    def _gather(self, plan: SyncPlan, i: int, stats: SyncStats) -> list[torch.Tensor]:
+        """The stage head's bucket ``i``, ready to send (its TP peers collect it with it)."""
+        return self._pack(plan, i, self._collect(plan, i, stats), stats)
+
+    def _collect(self, plan: SyncPlan, i: int, stats: SyncStats) -> list[dict[str, torch.Tensor]]:
+        """Bucket ``i``'s megatron tensors of every TP rank (an all-gather over TP)."""
         t0 = time.perf_counter()
         g, weights = self.g, adapter.module_weights(self.actor.model.module)
         names = [u.mcore for u in plan.buckets[i]]
@@ -322,12 +336,17 @@ class DistributedSync(Syncer):
             parts = collectives.all_gather(local, g.tp)
             for r in range(g.tp_size):
                 shards[r][name] = parts[r]
+        stats.gather_s += time.perf_counter() - t0
+        return shards
+
+    def _pack(self, plan: SyncPlan, i: int, shards: list[dict[str, torch.Tensor]],
+              stats: SyncStats) -> list[torch.Tensor]:
+        """Bucket ``i`` in HF names and layout, in the rollout dtype, as it goes on the wire."""
         t1 = time.perf_counter()
-        stats.gather_s += t1 - t0
-        if not self.roles.sender:
-            return None
+        g, names = self.g, [u.mcore for u in plan.buckets[i]]
+        # Views where the HF layout allows (TP=1): pack_bucket copies each tensor once.
         hf = adapter.to_hf(shards, self.actor.args, pp_rank=g.pp_rank, pp_size=g.pp_size,
-                           only=set(names))
+                           only=set(names), contiguous=False)
         order, shapes = plan.bucket_meta(i)
         # Two buffers: bucket i + 1 is filled while bucket i is on the wire.
         payload = pack_bucket(self._buffers[i % 2], [hf[n] for n in order], shapes,
@@ -339,16 +358,29 @@ class DistributedSync(Syncer):
         bound = self.cfg.bucket_timeout_s or self.cfg.timeout_s / 2
         self._group.send_bucket(payload, bound)
 
+
 def pack_bucket(buffer: ReusableBuffer, tensors: list[torch.Tensor], shapes: list[list[int]],
                 dtype: torch.dtype, *, flatten: bool) -> list[torch.Tensor]:
-    """Casts and packs one bucket into the reused buffer in a single pass; returns what
-    goes on the wire: one ``uint8`` tensor (a flattened bucket: SGLang receives it as
-    ``uint8`` of the same bytes, ``weight_sync/tensor_bucket.py``, and NCCL/gloo need the
-    same dtype and count on both ends) or one tensor per name."""
-    flat, views = buffer.views(shapes, dtype)
-    for view, t in zip(views, tensors, strict=True):
-        view.copy_(t)
-    return [flat.view(torch.uint8)] if flatten else views
+    """What goes on the wire for one bucket: one ``uint8`` tensor (a flattened bucket:
+    SGLang receives it as ``uint8`` of the same bytes, ``weight_sync/tensor_bucket.py``,
+    and NCCL/gloo need the same dtype and count on both ends), every tensor cast and packed
+    into the reused buffer in a single pass; or one tensor per name, where a tensor that
+    is already contiguous in the rollout dtype goes as it is (with TP=1 and the actor in
+    the rollout dtype, a view of the parameter itself: no copy, no buffer) and the others
+    are cast into the buffer. The actor's parameters do not change during a push: the
+    trainer awaits it before the next step."""
+    if flatten:
+        flat, views = buffer.views(shapes, dtype)
+        for view, t in zip(views, tensors, strict=True):
+            view.copy_(t)
+        return [flat.view(torch.uint8)]
+    out = [t if t.dtype == dtype and t.is_contiguous() else None for t in tensors]
+    todo = [i for i, t in enumerate(out) if t is None]
+    _, views = buffer.views([shapes[i] for i in todo], dtype)
+    for i, view in zip(todo, views, strict=True):
+        view.copy_(tensors[i])
+        out[i] = view
+    return out
 
 
 def _close_late_group(rendezvous: asyncio.Future) -> None:
