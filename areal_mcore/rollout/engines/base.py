@@ -1,9 +1,9 @@
-"""The seam between the rollout client core and one inference engine.
+"""The seam between what every engine shares and one inference engine.
 
-The client core (``rollout/client.py``: load balancing, failover, wire rids,
-resubmission of aborted completions, per-token versions) and the weight syncer
-(``weight_sync/syncer.py``: buckets, groups, stage turns, failure handling) are one piece
-each; everything that differs between engines sits behind ``Engine``: the launch command,
+The client (``rollout/client.py``: load balancing, failover, wire rids, resubmission of
+aborted completions, per-token versions) and the weight syncer (``weight_sync/``:
+buckets, groups, stage turns, failure handling) are one piece each; everything that
+differs between engines sits behind ``Engine`` and its ``WeightUpdater``: the launch command,
 the generate request and its response, pause/resume/abort, weight versions and the
 weight-update protocol. A new engine is a new module here, never a branch elsewhere.
 
