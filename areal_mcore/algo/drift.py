@@ -69,6 +69,7 @@ def reduce_rollout_gap(sums: torch.Tensor, group: dist.ProcessGroup | None = Non
     sums = sums.clone()
     if group is not None:
         collectives.all_reduce(sums, group)
+    sums = sums.cpu()  # the one host sync; the rest is a few hundred numbers
     per_stale, hist_H = sums[: 3 * N_STALE].view(3, N_STALE), sums[3 * N_STALE:]
     n = float(per_stale[0].sum())
     cdf = torch.cumsum(hist_H, 0)
