@@ -105,6 +105,12 @@ class ExperimentConfig(InferenceConfig):
                              "the actor scores tokens at the sampling temperature")
         self._check_reward_groups()
         self._check_allocation()
+        t = self.trainer
+        if t is not None and t.max_rollout_logprob_gap is not None and self.ppo.prox_logp_method != "recompute":
+            raise ValueError(
+                f"trainer.max_rollout_logprob_gap={t.max_rollout_logprob_gap} needs "
+                f"ppo.prox_logp_method=recompute (it is {self.ppo.prox_logp_method!r}): the gap is "
+                "measured against the recomputed proximal logprobs; set the method or the gap to null")
 
     def _check_allocation(self) -> None:
         # The allocation decides which nodes and GPUs the rollout side gets, server.backend

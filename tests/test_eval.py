@@ -184,8 +184,8 @@ def test_correct_samples_are_counted_per_problem(monkeypatch):
             return client_mod.Completion(rid=rid, input_ids=input_ids, output_ids=[j], logprobs=[0.0],
                                          versions=["0"], finish_reason={"type": "stop"})
 
-    async def reward(texts, solutions):
-        return [float(int(t) < int(s[0])) for t, s in zip(texts, solutions)]
+    async def reward(items):
+        return [float(int(i.completion) < int(i.solutions[0])) for i in items]
 
     monkeypatch.setattr(client_mod, "RolloutClient", FakeClient)
     wanted = [[3, 0, 4], [1]]

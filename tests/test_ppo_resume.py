@@ -299,3 +299,46 @@ def test_with_its_only_server_stalled_the_run_checkpoints_and_ends_naming_it(tin
             stopper.join()
             os.kill(server.proc.pid, signal.SIGCONT)
     assert (tmp_path / "resume" / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+
+
+def test_a_reward_fn_by_dotted_path_trains_a_run_and_the_drift_alarm_stays_quiet(tiny, tmp_path):
+    """reward.fn from a test module scores every sample in the workers (its raises score 0
+    and are counted per step), and on the servers' own weights the train-vs-rollout gap is
+    fp32 noise, far under the alarm's threshold."""
+    import json
+
+    overrides = [*_overrides(tiny.assets, tiny.server.address, tmp_path), "trainer.save_freq=0",
+                 "trainer.total_steps=2", "trainer.dump_to_file=true", "reward.fn=_rewards:parity_reward",
+                 "trainer.max_rollout_logprob_gap=1e-3"]
+    (rows,) = run_gloo(_ppo_worker, 1, overrides)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        dumped = [json.loads(line) for line in
+                  (tmp_path / "resume" / "rollouts" / f"step_{row['step']}.jsonl").read_text().splitlines()]
+        lens = [d["response_len"] for d in dumped]
+        assert [d["reward"] for d in dumped] == [0.0 if n % 4 == 0 else float(n % 2) for n in lens]
+        assert row["reward/errors"] == sum(n % 4 == 0 for n in lens) and row["reward/timeouts"] == 0
+        assert row["rollout/reward_mean"] == pytest.approx(sum(d["reward"] for d in dumped) / len(dumped))
+        # Every response token is measured, all sampled by the weights being trained (sync mode).
+        assert row["drift/tokens"] == row["drift/tokens_stale0"] == sum(lens) == row["train/loss_tokens"]
+        assert row["drift/gap_mean_abs"] < 1e-5 and row["drift/gap_p99_abs"] < 1e-4, row
+        assert 0 <= row["drift/k3_kl"] < 1e-8
+    assert sum(r["reward/errors"] for r in rows) > 0  # max_new_tokens=12: a multiple of 4
+    assert rows[0]["train/loss"] != tiny.reference[0]["train/loss"]  # not boba's rewards
+
+
+def test_a_server_serving_other_weights_than_pushed_fires_the_drift_alarm_at_the_first_step(tiny, tmp_path):
+    """--perturb-weights: every weight the server loads is silently off by 5% (a bad load,
+    as real engines' bugs do). The first step's gap is over the threshold: the run ends
+    before training on those samples, naming the step, the server and the gap."""
+    with embedded_servers(tiny.assets["model"], str(tmp_path / "logs"), n=1,
+                          extra_args=["--perturb-weights", "0.05"]) as (bad,):
+        overrides = [*_overrides(tiny.assets, bad.address, tmp_path), "trainer.max_rollout_logprob_gap=1e-3"]
+        with pytest.raises(AssertionError, match=rf"RolloutDriftError: step 1: the rollout servers "
+                                                 rf"\['{bad.address}'\] sampled \d+ tokens with weight version 0 "
+                                                 r"whose logprobs are a mean \|Δ\| [0-9.e-]+ from the trainer's") as e:
+            run_gloo(_ppo_worker, 1, overrides)
+    print(str(e.value)[-800:])
+    assert "trainer.max_rollout_logprob_gap=0.001" in str(e.value)
+    assert not (tmp_path / "resume" / "stats.jsonl").exists()  # the step was not trained
+    assert not (tmp_path / "resume" / "checkpoints" / "latest").exists()  # no step had finished

@@ -146,3 +146,29 @@ def test_workers_that_cannot_start_raise_instead_of_looping():
     with pytest.raises(RuntimeError, match="memory_mb=16 too low"):
         with RewardPool(RewardPoolConfig(num_workers=1, timeout_s=2.0, memory_mb=16)) as pool:
             pool.score([f"{B}{{1}}"], [["1"]])
+
+
+@pytest.mark.parametrize("fn, why", [
+    ("no_such_module:f", "reward.fn='no_such_module:f' cannot be imported: ModuleNotFoundError"),
+    ("_rewards:missing", "reward.fn='_rewards:missing' names no function"),
+    ("_rewards", "reward.fn='_rewards' must look like 'package.module:function'"),
+    ("_rewards:not_a_function", "reward.fn='_rewards:not_a_function' is not callable"),
+    ("_rewards:too_few_args", r"reward.fn='_rewards:too_few_args' has the wrong signature "
+                              r"too_few_args\(completion, solutions\)"),
+])
+def test_a_bad_reward_fn_path_or_signature_is_refused_at_load_naming_the_key(fn, why):
+    from areal_mcore.config import ConfigError, InferenceConfig, load_config
+
+    with pytest.raises(ConfigError, match=why):
+        load_config(None, [f"reward.fn={fn}"], schema=InferenceConfig)
+
+
+def test_a_dotted_path_reward_gets_prompt_and_ids_and_its_raises_score_zero_and_are_counted():
+    from areal_mcore.reward.pool import RewardCounts, RewardItem
+
+    items = [RewardItem(prompt="p", completion="c", prompt_ids=[1, 2], completion_ids=[5] * n,
+                        solutions=["1"], fields={"source": "f:1"}) for n in (1, 2, 4)]
+    counts = RewardCounts()
+    with RewardPool(RewardPoolConfig(fn="_rewards:parity_reward", num_workers=1)) as pool:
+        assert pool.score_items(items, counts) == [1.0, 0.0, 0.0]  # 4 tokens: it raised
+        assert (counts.errors, counts.timeouts, pool.errors) == (1, 0, 1)

@@ -32,8 +32,8 @@ def _prompts(n, start=0):
             for i in range(start, start + n)]
 
 
-async def _count_reward(texts, solutions):
-    return [float(len(t) % 2) for t in texts]
+async def _count_reward(items):
+    return [float(len(i.completion) % 2) for i in items]
 
 
 def test_sync_batch_has_groups_rewards_and_stats_through_the_reward_pool(server):

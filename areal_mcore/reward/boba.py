@@ -59,3 +59,9 @@ def boba_reward(completion: str, solutions: list[str], timeout_s: int = 3) -> fl
         if gold and verify(gold, pred, timeout_seconds=timeout_s):
             return 1.0
     return 0.0
+
+
+def boba_reward_fn(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int],
+                   solutions: list[str], *, timeout_s: int = 3, **fields) -> float:
+    """``reward.fn``'s default: ``boba_reward`` in the dotted-path signature (``reward/fn.py``)."""
+    return boba_reward(completion, solutions, timeout_s=timeout_s)

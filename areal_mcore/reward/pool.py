@@ -3,27 +3,34 @@
 Each worker is a separate interpreter with an address-space limit and a CPU-time limit
 (model text reaches sympy). The parent enforces a wall-clock deadline per item: a
 worker that overruns is killed and replaced, the item scores 0.0 and is counted in
-``timeouts``. Workers are also replaced after ``max_items_per_worker`` items, so the
-cumulative CPU-time limit and memory growth never bite a healthy worker.
+``timeouts``; a reward function that raises (or returns no number) scores 0.0 and is
+counted in ``errors``. Workers are also replaced after ``max_items_per_worker`` items, so
+the cumulative CPU-time limit and memory growth never bite a healthy worker. What they run
+is ``reward.fn`` (``reward/fn.py``; boba's math-verify check by default).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
 import selectors
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from areal_mcore.checks import check_positive
+from areal_mcore.checks import FieldError, check_positive
 from areal_mcore.procs import die_with_parent
+from areal_mcore.reward.fn import DEFAULT_FN, import_root, load_reward_fn
 
 
 @dataclass(kw_only=True)
 class RewardPoolConfig:
+    # package.module:function, called per sample as fn(prompt, completion, prompt_ids,
+    # completion_ids, solutions, **fields) -> float (reward/fn.py); imported and checked here.
+    fn: str = DEFAULT_FN
     num_workers: int = 2
     timeout_s: float = 5.0
     memory_mb: int = 2048
@@ -33,6 +40,31 @@ class RewardPoolConfig:
     def __post_init__(self):
         for key in ("num_workers", "timeout_s", "memory_mb", "cpu_s", "max_items_per_worker"):
             check_positive(key, getattr(self, key))
+        try:
+            load_reward_fn(self.fn)
+        except ValueError as e:
+            raise FieldError("fn", f"={self.fn!r} {e}") from None
+
+
+@dataclass(frozen=True)
+class RewardItem:
+    """One sample to score: what ``reward.fn`` is called with."""
+
+    completion: str
+    solutions: list[str]
+    prompt: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    fields: dict = field(default_factory=dict)  # the prompt's other fields (e.g. source)
+
+
+@dataclass
+class RewardCounts:
+    """Items scored 0.0 because the function raised (``errors``) or overran (``timeouts``),
+    for one consumer of the pool (the training rollouts, the evals)."""
+
+    errors: int = 0
+    timeouts: int = 0
 
 
 class _Worker:
@@ -46,8 +78,13 @@ class _Worker:
 
         # math-verify's own timeouts stay under the parent's deadline.
         inner = max(1, int(cfg.timeout_s / 3))
+        # `python -m` puts the cwd first on sys.path, not the trainer's path: hand the
+        # workers the folder reward.fn's module was imported from.
+        env, root = dict(os.environ), import_root(cfg.fn)
+        if root is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "areal_mcore.reward.worker", str(inner)],
+            [sys.executable, "-m", "areal_mcore.reward.worker", cfg.fn, str(inner)], env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             preexec_fn=restrict, text=True, encoding="utf-8", errors="surrogatepass", bufsize=1,
         )
@@ -55,8 +92,10 @@ class _Worker:
         self.busy: tuple[int, float] | None = None  # (item index, deadline)
         self.ready = False
 
-    def send(self, index: int, completion: str, solutions: list[str], deadline: float) -> None:
-        self.proc.stdin.write(json.dumps({"id": index, "completion": completion, "solutions": solutions}) + "\n")
+    def send(self, index: int, item: RewardItem, deadline: float) -> None:
+        line = {"id": index, "prompt": item.prompt, "completion": item.completion, "prompt_ids": item.prompt_ids,
+                "completion_ids": item.completion_ids, "solutions": list(item.solutions), "fields": item.fields}
+        self.proc.stdin.write(json.dumps(line) + "\n")
         self.proc.stdin.flush()
         self.busy = (index, deadline)
         self.items += 1
@@ -72,11 +111,13 @@ class _Worker:
 
 
 class RewardPool:
-    """``score(completions, solutions_list) -> rewards`` over killable worker processes."""
+    """``score_items(items) -> rewards`` over killable worker processes; ``timeouts`` and
+    ``errors`` count every item scored 0.0 for overrunning or raising."""
 
     def __init__(self, cfg: RewardPoolConfig | None = None):
         self.cfg = cfg or RewardPoolConfig()
         self.timeouts = 0
+        self.errors = 0
         self.crashes = 0
         self.latencies: list[float] = []
         self._failed_starts = 0
@@ -84,29 +125,44 @@ class RewardPool:
         self._workers = [_Worker(self.cfg) for _ in range(self.cfg.num_workers)]
 
     def score(self, completions: list[str], solutions_list: list[list[str]]) -> list[float]:
-        """Rewards in input order; every item returns within ``timeout_s`` (+ scheduling)."""
+        """``score_items`` of completions without prompt or ids (the filters, the tests)."""
         if len(completions) != len(solutions_list):
             raise ValueError(f"{len(completions)} completions but {len(solutions_list)} solution lists")
-        rewards: list[float | None] = [None] * len(completions)
-        todo = list(range(len(completions)))[::-1]
+        return self.score_items([RewardItem(completion=c, solutions=list(s))
+                                 for c, s in zip(completions, solutions_list)])
+
+    def score_items(self, items: list[RewardItem], counts: RewardCounts | None = None) -> list[float]:
+        """Rewards in input order; every item returns within ``timeout_s`` (+ scheduling).
+        ``counts`` also gets this call's errors and timeouts."""
+        errors, timeouts = self.errors, self.timeouts
+        try:
+            return self._score(items)
+        finally:
+            if counts is not None:
+                counts.errors += self.errors - errors
+                counts.timeouts += self.timeouts - timeouts
+
+    def _score(self, items: list[RewardItem]) -> list[float]:
+        rewards: list[float | None] = [None] * len(items)
+        todo = list(range(len(items)))[::-1]
         started: dict[int, float] = {}
-        self._pending = len(completions)
+        self._pending = len(items)
         while self._pending:  # a counter: rescanning all rewards every poll is quadratic
             for slot, w in enumerate(self._workers):
                 if w.busy is None and w.ready and todo:
                     i = todo.pop()
                     started[i] = time.monotonic()
                     try:
-                        w.send(i, completions[i], solutions_list[i], started[i] + self.cfg.timeout_s)
+                        w.send(i, items[i], started[i] + self.cfg.timeout_s)
                     except (BrokenPipeError, OSError):  # died while idle: replace, retry the item
                         todo.append(i)
                         self._replace(slot, crashed=True)
             self._poll(rewards, started)
         return [float(r) for r in rewards]
 
-    async def ascore(self, completions: list[str], solutions_list: list[list[str]]) -> list[float]:
-        """``score`` off the event loop (the pool serves one call at a time)."""
-        return await asyncio.to_thread(self.score, completions, solutions_list)
+    async def ascore(self, items: list[RewardItem], counts: RewardCounts | None = None) -> list[float]:
+        """``score_items`` off the event loop (the pool serves one call at a time)."""
+        return await asyncio.to_thread(self.score_items, items, counts)
 
     def _poll(self, rewards, started) -> None:
         sel = selectors.DefaultSelector()
@@ -127,7 +183,8 @@ class RewardPool:
                         raise RuntimeError(
                             "reward workers exit before they are ready (3 times in a row); "
                             f"is memory_mb={self.cfg.memory_mb} too low to import math-verify?")
-                if w.busy:
+                if w.busy:  # its item killed it (e.g. the memory limit): an error, scored 0
+                    self.errors += 1
                     self._finish(rewards, started, w.busy[0], 0.0)
                 self._replace(slot, crashed=True)
             elif line.strip() == "ready":
@@ -135,6 +192,7 @@ class RewardPool:
                 self._failed_starts = 0
             else:
                 out = json.loads(line)
+                self.errors += "error" in out
                 self._finish(rewards, started, out["id"], out["reward"])
                 w.busy = None
                 if w.items >= self.cfg.max_items_per_worker:

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 
 from areal_mcore.checks import check_positive
 from areal_mcore.data.prompts import Prompt
+from areal_mcore.reward.pool import RewardItem
 from areal_mcore.rollout.client import Completion, RolloutClient
 from areal_mcore.rollout.protocol import SamplingParams
 
-RewardFn = Callable[[list[str], list[list[str]]], Awaitable[list[float]]]
+RewardFn = Callable[[list[RewardItem]], Awaitable[list[float]]]  # e.g. RewardPool.ascore
 
 
 @dataclass(kw_only=True)
@@ -138,9 +139,12 @@ class RolloutController:
                 base, sampling_seed=(self.cfg.seed * 1_000_003 + gid) * 1009 + j),
                 rid=f"g{gid}s{j}-{self._nonce}", group=f"g{gid}-{self._nonce}")
             for j in range(self.cfg.n_samples)])
-        texts = [self.decode(c.output_ids) for c in comps]
+        text = self.decode(prompt.input_ids)
+        items = [RewardItem(prompt=text, completion=self.decode(c.output_ids), prompt_ids=list(prompt.input_ids),
+                            completion_ids=list(c.output_ids), solutions=list(prompt.solutions),
+                            fields={"source": prompt.source}) for c in comps]
         async with self._reward_lock:
-            rewards = await self.reward_fn(texts, [list(prompt.solutions)] * len(comps))
+            rewards = await self.reward_fn(items)
         samples = [Sample(group=gid, prompt_ids=list(prompt.input_ids), output_ids=c.output_ids,
                           logprobs=c.logprobs, versions=[_version(v) for v in c.versions],
                           reward=float(r), finish_reason=c.finish_reason["type"],

@@ -36,6 +36,12 @@ class TrainerConfig:
     # collective's watchdog aborts after 10 min (torch's default), shorter than one boba
     # rollout of 8,192 samples up to 27,648 tokens.
     wait_timeout_s: float = 6 * 3600.0
+    # The drift alarm (algo/drift.py): every step logs drift/* (the rollout engine's
+    # logprobs against the recomputed proximal ones); with a value, a step whose mean
+    # |Δ logprob| over the tokens the proximal weights' own version sampled exceeds it
+    # ends the run (the last finished step checkpointed), naming the step and servers.
+    # null: off. Same weights give ~1e-6 in fp32, a few 1e-3 in bf16.
+    max_rollout_logprob_gap: float | None = None
 
     def __post_init__(self):
         check_choice("mode", self.mode, TRAINER_MODES)
@@ -46,6 +52,8 @@ class TrainerConfig:
         check_positive("eval_freq", self.eval_freq, allow_zero=True)
         check_positive("max_prompt_tokens", self.max_prompt_tokens)
         check_positive("wait_timeout_s", self.wait_timeout_s)
+        if self.max_rollout_logprob_gap is not None:
+            check_positive("max_rollout_logprob_gap", self.max_rollout_logprob_gap)
 
 
 @dataclass(kw_only=True)

@@ -29,6 +29,7 @@ from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
 from areal_mcore.actor.megatron_actor import MegatronActor
 from areal_mcore.algo import loglinear_proximal_logprobs, ppo_actor_loss, reduce_ppo_stats
 from areal_mcore.algo.config import PPOConfig
+from areal_mcore.algo.drift import reduce_rollout_gap, rollout_gap_sums
 from areal_mcore.config import ExperimentConfig
 from areal_mcore.convert.hf_files import load_hf_state_dict
 from areal_mcore.convert.save_hf import save_hf
@@ -59,6 +60,11 @@ def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens):
     return loss, {**stats, "empty_responses": f["empty_response"].sum()}
 
 
+class RolloutDriftError(RuntimeError):
+    """The servers' logprobs are further from the trainer's than
+    ``trainer.max_rollout_logprob_gap``: they do not serve the weights the trainer pushed."""
+
+
 def train(cfg: ExperimentConfig) -> list[dict]:
     """Runs ``cfg.trainer.total_steps`` PPO steps; returns the per-step stats (rank 0)."""
     run = PPORun(cfg)
@@ -78,6 +84,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             if ppo.prox_logp_method == "recompute":
                 with phase("recompute"):  # π_prox before the update
                     batch.fields["prox"] = run.actor.compute_logprobs(batch, temperature=temperature)
+                rollout_stats = {**rollout_stats, **run.check_drift(step, batch)}  # may end the run
             with phase("train"):
                 train_stats = run.actor.train_batch(batch, partial(ppo_loss, ppo, step), ppo.ppo_n_minibatches,
                                                     reduce_stats=reduce_ppo_stats, temperature=temperature,
@@ -160,6 +167,7 @@ class PPORun:
             self.rollout_side = RolloutSide(cfg, tokenizer, self.files, self.loop)
         addresses = self.rollout_side.addresses if self.rollout_side is not None else None
         addresses = collectives.broadcast_object(addresses, 0, self.control)
+        self.addresses = addresses
         g = self.actor.groups
         self.dispatcher = Dispatcher(dp_rank=g.dp_rank, dp_size=g.dp_size, mp_group=g.mp, world=dist.group.WORLD,
                                      control=self.control)
@@ -247,6 +255,29 @@ class PPORun:
             stats = {**stats, "dispatch/bytes": float(moved.bytes_sent),
                      "dispatch/time_s": moved.pack_s + moved.send_s}
         return shard, stats
+
+    def check_drift(self, step: int, batch) -> dict:
+        """``drift/*``: the servers' logprobs against the recomputed proximal ones on the
+        same tokens (``algo/drift.py``), the same on every rank. With
+        ``trainer.max_rollout_logprob_gap``, a mean |Δ| above it on the tokens sampled by
+        the proximal weights' own version (step ``step``'s) ends the run as a failed
+        rollout does: step ``step`` (the last finished) is checkpointed, then
+        ``RolloutDriftError`` names the step, the servers and the gap."""
+        f = batch.fields
+        gap = reduce_rollout_gap(rollout_gap_sums(f["behave"], f["prox"], f["loss_mask"], f["versions"], step),
+                                 self.actor.groups.dp)
+        limit, on_policy = self.cfg.trainer.max_rollout_logprob_gap, gap.get("gap_mean_abs_stale0")
+        if limit is not None and on_policy is not None and on_policy > limit:
+            self.save_interrupted(step, why="the rollout servers' logprobs drifted from the trainer's")
+            raise RolloutDriftError(
+                f"step {step + 1}: the rollout servers {self.addresses} sampled {gap['tokens_stale0']:.0f} tokens "
+                f"with weight version {step} whose logprobs are a mean |Δ| {on_policy:.4g} from the trainer's "
+                f"for the same weights (p99 over all tokens {gap['gap_p99_abs']:.3g}, k3 KL {gap['k3_kl']:.3g}), "
+                f"over trainer.max_rollout_logprob_gap={limit}: they do not serve the weights the trainer "
+                "pushed (a bad load, dtype or shard; an engine bug); compare their dtype and "
+                "weight_sync.dtype with the actor's. "
+                + (f"Step {step} is checkpointed" if step else "No step had finished: nothing is checkpointed"))
+        return {f"drift/{k}": v for k, v in gap.items()}
 
     def sync(self, version: int) -> dict:
         stats = self.loop.run(self.syncer.push(version))

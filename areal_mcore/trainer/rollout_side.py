@@ -16,7 +16,7 @@ from functools import partial
 
 from areal_mcore.data.prompts import prompts_for
 from areal_mcore.data.sampler import EpochSampler
-from areal_mcore.reward.pool import RewardPool
+from areal_mcore.reward.pool import RewardCounts, RewardPool
 from areal_mcore.rollout.client import ClientConfig, RolloutClient
 from areal_mcore.rollout.controller import RolloutBatch, RolloutController
 from areal_mcore.rollout.protocol import RolloutError
@@ -53,6 +53,8 @@ class RolloutSide:
             self.servers = launch_servers(cfg.server, default_log_dir=str(run.servers))  # logs with the run
             self.addresses = [s.address for s in self.servers]
         self.pool = RewardPool(cfg.reward)
+        # The training rollouts' reward errors and timeouts (evals score through their own).
+        self.reward_counts, self._counted = RewardCounts(), RewardCounts()
         self.client = RolloutClient(ClientConfig(addresses=self.addresses, api_key=cfg.server.api_key,
                                                  backend=cfg.server.backend,
                                                  stall_after_s=cfg.rollout.stall_after_s,
@@ -61,7 +63,8 @@ class RolloutSide:
                                                  min_deadline_s=cfg.rollout.min_request_deadline_s))
         self.loop.run(self.client.start())
         self.decode = partial(tokenizer.decode, skip_special_tokens=True)
-        self.controller = RolloutController(cfg.rollout, self.client, self.pool.ascore, self.decode)
+        self.controller = RolloutController(cfg.rollout, self.client,
+                                            partial(self.pool.ascore, counts=self.reward_counts), self.decode)
         self.packer = SamplePacker()  # each group becomes arrays as it arrives (dispatch concatenates)
         self.controller.on_group = self.packer
         self.eval_prompts = []
@@ -80,11 +83,19 @@ class RolloutSide:
             yield from (self.prompts[i] for i in self.sampler.next_batch())
 
     def rollout(self) -> RolloutBatch:
-        """The next batch: sampled now (sync) or collected from the running stream (async)."""
+        """The next batch: sampled now (sync) or collected from the running stream (async),
+        with the rewards scored 0.0 since the last batch for raising (``reward/errors``) or
+        overrunning ``reward.timeout_s`` (``reward/timeouts``)."""
         if self.cfg.trainer.mode == "async":
-            return self.loop.run(self.controller.prepare_batch(self.cfg.trainer.batch_size))
-        batch = [self.prompts[i] for i in self.sampler.next_batch()]
-        return self.loop.run(self.controller.rollout_batch(batch))
+            out = self.loop.run(self.controller.prepare_batch(self.cfg.trainer.batch_size))
+        else:
+            batch = [self.prompts[i] for i in self.sampler.next_batch()]
+            out = self.loop.run(self.controller.rollout_batch(batch))
+        now, before = dataclasses.replace(self.reward_counts), self._counted  # ints: a plain copy
+        self._counted = now
+        out.stats.update({"reward/errors": float(now.errors - before.errors),
+                          "reward/timeouts": float(now.timeouts - before.timeouts)})
+        return out
 
     def evaluate(self) -> dict | None:
         """Accuracy on the held-out problems (None without an eval set)."""

@@ -18,6 +18,9 @@ lost mid-update, before that bucket's broadcast); ``--refuse-update N`` answers 
 with a refusal before its receive (as a request that fails validation is);
 ``--stall-after N`` never answers the generate requests after the N-th (a stalled engine);
 ``--step-delay-s S`` sleeps S after every decode step (a slow engine that still answers);
+``--perturb-weights STD`` multiplies every weight an update loads (from the trainer or from
+disk) by (1 + STD · N(0, 1)) and reports success (an engine that serves other weights than it
+was sent: a bad cast, shard or load, which the trainer's drift alarm must catch);
 ``--refuse-group-init`` refuses every
 update-group init at once; ``--delay-group-init SUBSTR=SECONDS`` holds init calls whose group name
 contains SUBSTR before they queue (to force an arrival order between servers).
@@ -67,6 +70,7 @@ class ServerArgs:
     delay_group_init: str | None = None  # fault injection: "SUBSTR=SECONDS"
     stall_after: int = 0  # fault injection: generate requests after the N-th never start; 0: off
     step_delay_s: float = 0.0  # fault injection: a sleep after each decode step; 0: off
+    perturb_weights: float = 0.0  # fault injection: relative noise on loaded weights; 0: off
 
     def __post_init__(self):
         if self.dtype not in W.DTYPES:
@@ -91,6 +95,19 @@ class _State:
         self.updates = 0  # update_weights_from_distributed calls so far
         self.generates = 0  # generate calls so far
         self.recv_buffer = W.ReusableBuffer()
+        self.noise = torch.Generator().manual_seed(args.random_seed)  # --perturb-weights
+
+
+def _perturb(st: _State, names) -> None:
+    """Fault injection (``--perturb-weights``): the loaded weights, silently off."""
+    if not st.args.perturb_weights:
+        return
+    params = dict(st.model.named_parameters())
+    for name in names:
+        if name in params:
+            p = params[name].data
+            noise = torch.randn(p.shape, generator=st.noise, dtype=torch.float32).to(p.dtype)
+            p.mul_(1 + st.args.perturb_weights * noise)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -415,6 +432,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         except ValueError as e:
             return f"Failed to update weights: {e}."
         W.load_weights(st.model, received)
+        _perturb(st, names)
         if body.get("weight_version") is not None:
             engine.set_weight_version(str(body["weight_version"]))
         if body.get("flush_cache", True) and engine.busy:  # SGLang's default is to flush
@@ -448,6 +466,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
     def load():
         W.load_weights(st.model, state.items())
+        _perturb(st, list(state))
         if body.get("weight_version") is not None:
             engine.set_weight_version(str(body["weight_version"]))
 
@@ -522,6 +541,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    help="fault injection: generate requests after the N-th are never answered")
     p.add_argument("--step-delay-s", type=float, default=0.0,
                    help="fault injection: sleep this long after every decode step (a slow engine)")
+    p.add_argument("--perturb-weights", type=float, default=0.0, metavar="STD",
+                   help="fault injection: every loaded weight times (1 + STD * N(0,1)), reported as a success")
     p.add_argument("--refuse-update", type=int, default=0,
                    help="fault injection: refuse the N-th update_weights_from_distributed "
                         "before its receive")

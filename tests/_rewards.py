@@ -1,0 +1,20 @@
+"""Reward functions given by dotted path (``reward.fn=_rewards:...``) in the tests; the
+reward workers import them from this folder (``reward/fn.py::import_root``)."""
+
+from __future__ import annotations
+
+
+def parity_reward(prompt, completion, prompt_ids, completion_ids, solutions, **fields):
+    """1.0 for an odd number of completion tokens, 0.0 for an even one; raises on a multiple
+    of 4 (a buggy reward: the sample scores 0.0 and is counted in reward/errors)."""
+    assert prompt and isinstance(prompt_ids[0], int) and solutions and fields["source"]
+    if len(completion_ids) % 4 == 0:
+        raise RuntimeError(f"{len(completion_ids)} tokens")
+    return float(len(completion_ids) % 2)
+
+
+def too_few_args(completion, solutions):
+    return 0.0
+
+
+not_a_function = 3
