@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from areal_mcore.algo.normalize import LEVELS as NORM_LEVELS
+from areal_mcore.algo.ppo_loss import BEHAV_WEIGHT_MODES, IS_LEVELS, LOSS_AGG_MODES
 from areal_mcore.checks import (
     FieldError,
     check_choice,
@@ -60,6 +61,18 @@ class PPOConfig:
     # the behaviour and current logprobs (needs use_decoupled_loss: it *is* the proximal
     # of the decoupled loss, and without it nothing corrects for the behaviour policy).
     prox_logp_method: str = "recompute"
+    # The loss menu (docs/algorithm.md#loss-options; formulas: algo.ppo_actor_loss). Each
+    # default is boba's loss. token-mean | seq-mean-token-mean | seq-mean-token-sum |
+    # seq-mean-token-sum-norm (Dr.GRPO: per-sequence token sums / loss_norm_tokens).
+    loss_agg_mode: str = "token-mean"
+    # seq-mean-token-sum-norm's constant; null: rollout.max_new_tokens (ExperimentConfig).
+    loss_norm_tokens: int | None = None
+    # token, or sequence (GSPO: one length-normalised ratio per sequence, clipped as one).
+    importance_sampling_level: str = "token"
+    # The behaviour weight per token, or one per sequence (product over its loss tokens).
+    behav_imp_weight_level: str = "token"
+    # Above behav_imp_weight_cap: mask (MIS: drop) or truncate (TIS: min(weight, cap)).
+    behav_imp_weight_mode: str = "mask"
     discount: float = 1.0
     gae_lambda: float = 1.0
     reward_bias: float = 0.0
@@ -87,6 +100,7 @@ class PPOConfig:
                 "the behaviour weight the loss trains against an interpolation with no correction "
                 "for the policy that sampled the tokens (use prox_logp_method=recompute)"
             )
+        self._check_loss_options()
         if self.adv_norm is not None and self.adv_norm.uses_groups:
             key = "mean_level" if self.adv_norm.mean_level == "group" else "std_level"
             raise FieldError(
@@ -97,3 +111,26 @@ class PPOConfig:
         for key in ("discount", "gae_lambda"):
             check_unit_interval(key, getattr(self, key))
         check_positive("reward_clip", self.reward_clip)
+
+    def _check_loss_options(self) -> None:
+        check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        check_choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
+        check_choice("behav_imp_weight_level", self.behav_imp_weight_level, IS_LEVELS)
+        check_choice("behav_imp_weight_mode", self.behav_imp_weight_mode, BEHAV_WEIGHT_MODES)
+        if self.loss_norm_tokens is not None:
+            check_positive("loss_norm_tokens", self.loss_norm_tokens)
+        # The behaviour weight exists only in the decoupled loss: an option shaping it
+        # would silently do nothing without it.
+        for key, default in (("behav_imp_weight_level", "token"), ("behav_imp_weight_mode", "mask")):
+            value = getattr(self, key)
+            if value != default and not self.use_decoupled_loss:
+                raise field_error(key, value, "needs use_decoupled_loss=true: without it there is no "
+                                  "behaviour weight exp(prox - behave) to shape")
+        if self.behav_imp_weight_mode == "truncate" and self.behav_imp_weight_cap is None:
+            raise field_error("behav_imp_weight_mode", "truncate", "needs behav_imp_weight_cap: TIS "
+                              "truncates the weight at that cap (min(weight, cap))")
+        if self.behav_imp_weight_level == "sequence" and self.behav_imp_weight_cap is None:
+            # A product of thousands of token weights is unbounded: exp(±100s) is common.
+            raise field_error("behav_imp_weight_level", "sequence", "needs behav_imp_weight_cap: a "
+                              "sequence's weight is the product of its tokens' weights and without a "
+                              "cap (mask or truncate) one sequence can dominate the batch")

@@ -42,12 +42,14 @@ from areal_mcore.trainer.rollout_side import RolloutSide
 from areal_mcore.weight_sync import weight_syncer
 
 
-def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens):
+def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens, num_global_seqs):
     """The actor's loss: clipped PPO against the proximal logprobs (recomputed before
     training, or AReaL's log-linear interpolation with the proximal weights at
     ``version`` = this step's index: our version labels, see
     ``algo.loglinear_proximal_logprobs``), with the behaviour (rollout) logprobs in the
-    decoupled form when configured; also counts the batch's empty responses."""
+    decoupled form when configured, and the loss options of ``ppo`` (aggregation,
+    importance-sampling level, behaviour-weight level and mode); also counts the batch's
+    empty responses."""
     f = mb.fields
     prox = (f["prox"] if ppo.prox_logp_method == "recompute"
             else loglinear_proximal_logprobs(f["behave"], logprobs_T, f["versions"], version))
@@ -55,7 +57,10 @@ def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens):
         logprobs_T, prox, f["adv"], f["loss_mask"], num_global_tokens=num_global_tokens,
         eps_clip=ppo.eps_clip, eps_clip_high=ppo.eps_clip_high, c_clip=ppo.c_clip,
         behave_logprobs_T=f["behave"] if ppo.use_decoupled_loss else None,
-        behav_imp_weight_cap=ppo.behav_imp_weight_cap)
+        behav_imp_weight_cap=ppo.behav_imp_weight_cap, cu_seqlens_B1=mb.cu_seqlens_padded,
+        num_global_seqs=num_global_seqs, loss_agg_mode=ppo.loss_agg_mode, loss_norm_tokens=ppo.loss_norm_tokens,
+        importance_sampling_level=ppo.importance_sampling_level,
+        behav_imp_weight_level=ppo.behav_imp_weight_level, behav_imp_weight_mode=ppo.behav_imp_weight_mode)
     return loss, {**stats, "empty_responses": f["empty_response"].sum()}
 
 
