@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _actor_setup import seqs as _actor_seqs
+from _actor_setup import tiny_actor, train_fields
+from _dist import run_gloo
 
 from areal_mcore.algo import ppo_actor_loss
 from areal_mcore.algo.config import PPOConfig
@@ -202,6 +205,51 @@ def test_sequence_options_without_boundaries_are_refused():
     with pytest.raises(ValueError, match="cu_seqlens_B1"):
         ppo_actor_loss(f["logp"], f["prox"], f["adv"], f["mask"], num_global_tokens=1, eps_clip=0.2,
                        importance_sampling_level="sequence")
+
+
+# ----------------------------------------------------------------------------- the actor
+
+
+def _gspo_loss(logp, mb, num_global_tokens, num_global_seqs):
+    f = mb.fields
+    return ppo_actor_loss(logp, f["prox"], f["adv"], f["loss_mask"], num_global_tokens=num_global_tokens,
+                          eps_clip=0.2, cu_seqlens_B1=mb.cu_seqlens_padded, num_global_seqs=num_global_seqs,
+                          loss_agg_mode="seq-mean-token-mean", importance_sampling_level="sequence")
+
+
+def _actor_worker(rank, world):
+    """One GSPO step (two minibatches) on the DP ranks' halves of each minibatch; sequence 1
+    has no loss token, so a wrong sequence count (local, or counting it) changes the loss."""
+    from areal_mcore.packing import pack
+
+    actor = tiny_actor(cap=16)
+    g, seqs = actor.groups, _actor_seqs()
+    fields = train_fields(seqs)
+    fields["loss_mask"][1] = torch.zeros_like(fields["loss_mask"][1])
+    n = len(seqs) // 2
+    mine = [i for mb in (range(n), range(n, 2 * n)) for i in list(mb)[g.dp_rank::g.dp_size]]
+    first = pack(seqs[:n], {k: v[:n] for k, v in fields.items()})
+    first_logp = actor.compute_logprobs(first)  # θ before the step: the first minibatch's
+    out = actor.train_batch(pack([seqs[i] for i in mine], {k: [v[i] for i in mine] for k, v in fields.items()}),
+                            _gspo_loss, n_minibatches=2)
+    # The first minibatch's loss by hand: its 3 sequences with loss tokens, not 4, and not 2 per rank.
+    f = first.fields
+    expected, _ = ppo_actor_loss(first_logp, f["prox"], f["adv"], f["loss_mask"], num_global_tokens=1,
+                                 eps_clip=0.2, cu_seqlens_B1=first.cu_seqlens_padded, num_global_seqs=3,
+                                 loss_agg_mode="seq-mean-token-mean", importance_sampling_level="sequence")
+    return out["loss"], out["n_micro_batches"], actor.hf_state_dict() if g.dp_rank == 0 else {}, float(expected)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_actor_gspo_seq_mean_step_dp2_equals_single_process():
+    (loss, n_mbs, ref, expected), = run_gloo(_actor_worker, 1)
+    assert all(n > 1 for n in n_mbs), "need several micro-batches"
+    assert loss[0] == pytest.approx(expected, rel=1e-5)
+    for rank_loss, rank_mbs, hf, _ in run_gloo(_actor_worker, 2):
+        assert rank_loss == pytest.approx(loss, rel=1e-5) and all(n > 1 for n in rank_mbs)
+        for name, w in hf.items():
+            assert (w - ref[name]).abs().max() <= 1e-5 * ref[name].abs().max(), name
 
 
 # ----------------------------------------------------------------------------- config
