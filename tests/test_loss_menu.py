@@ -267,6 +267,7 @@ def test_unknown_option_value_is_refused_naming_key_and_choices(key):
     (["ppo.behav_imp_weight_level=sequence", "ppo.behav_imp_weight_cap=null"], "needs behav_imp_weight_cap"),
     (["ppo.behav_imp_weight_mode=truncate", "ppo.use_decoupled_loss=false"], "needs use_decoupled_loss"),
     (["ppo.behav_imp_weight_level=sequence", "ppo.use_decoupled_loss=false"], "needs use_decoupled_loss"),
+    (["ppo.loss_norm_tokens=100"], "used only by loss_agg_mode=seq-mean-token-sum-norm"),
 ])
 def test_combinations_without_meaning_are_refused_with_the_reason(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -119,6 +119,10 @@ class PPOConfig:
         check_choice("behav_imp_weight_mode", self.behav_imp_weight_mode, BEHAV_WEIGHT_MODES)
         if self.loss_norm_tokens is not None:
             check_positive("loss_norm_tokens", self.loss_norm_tokens)
+            if self.loss_agg_mode != "seq-mean-token-sum-norm":
+                raise field_error("loss_norm_tokens", self.loss_norm_tokens, "is used only by "
+                                  "loss_agg_mode=seq-mean-token-sum-norm (Dr.GRPO's constant); set that "
+                                  f"mode or loss_norm_tokens=null (loss_agg_mode is {self.loss_agg_mode!r})")
         # The behaviour weight exists only in the decoupled loss: an option shaping it
         # would silently do nothing without it.
         for key, default in (("behav_imp_weight_level", "token"), ("behav_imp_weight_mode", "mask")):

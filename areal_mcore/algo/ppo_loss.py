@@ -111,7 +111,8 @@ def ppo_actor_loss(
     adv = advantages_T.to(dtype)
     logp = logprobs_T.to(dtype)
     prox = proximal_logprobs_T.detach().to(dtype)
-    seq = None if cu_seqlens_B1 is None else _Segments(cu_seqlens_B1, logp.numel())
+    per_seq = "sequence" in (importance_sampling_level, behav_imp_weight_level) or loss_agg_mode != "token-mean"
+    seq = _Segments(cu_seqlens_B1, logp.numel()) if per_seq else None  # boba's loss needs none
     bad = ~torch.isfinite(prox)
     over_cap = torch.zeros_like(mask)
     log_w = torch.zeros_like(prox)
