@@ -286,3 +286,80 @@ def test_boba_defaults_are_todays_loss():
     ppo = PPOConfig()
     assert (ppo.loss_agg_mode, ppo.importance_sampling_level, ppo.behav_imp_weight_level,
             ppo.behav_imp_weight_mode) == ("token-mean", "token", "token", "mask")
+
+
+# ----------------------------------------------------------------------------- proximal methods
+
+
+def _trainer_mb(seed=7):
+    """A packed micro-batch as ``to_train_batch`` builds it (prompt tokens: version −1),
+    with recomputed ``prox``; the proximal version is 6, tokens 0 to 6 versions stale."""
+    from areal_mcore.packing import pack
+
+    g = torch.Generator().manual_seed(seed)
+    seqs, fields = [], {k: [] for k in ("loss_mask", "prox", "behave", "versions", "adv", "empty_response")}
+    for v in (6, 5, 4, 3, 2, 0):
+        n = 6
+        mask = torch.arange(n) >= 2
+        fields["loss_mask"].append(mask)
+        fields["prox"].append(-torch.rand(n, generator=g) * 2)
+        fields["behave"].append(torch.where(mask, -torch.rand(n, generator=g) * 2, 0.0))
+        fields["versions"].append(torch.where(mask, v, -1))
+        fields["adv"].append(torch.full((n,), float(torch.randn(1, generator=g))))
+        fields["empty_response"].append(torch.zeros(n))
+        seqs.append(torch.zeros(n, dtype=torch.long))
+    return pack(seqs, fields)
+
+
+def _trainer_loss(method, mb, logp):
+    from areal_mcore.trainer.ppo import ppo_loss
+
+    ppo = PPOConfig(use_decoupled_loss=True, behav_imp_weight_cap=5.0, prox_logp_method=method)
+    n_tok = mb.fields["loss_mask"].sum()
+    return ppo_loss(ppo, 6, logp, mb, n_tok, torch.tensor(6.0))
+
+
+def test_reuse_train_logp_takes_thetas_logprobs_as_proximal_so_only_the_behaviour_weight_corrects():
+    mb = _trainer_mb()
+    f = mb.fields
+    logp = (f["prox"] + 0.05).requires_grad_()
+    loss, _ = _trainer_loss("reuse_train_logp", mb, logp)
+    loss.backward()
+    m = f["loss_mask"]
+    w = torch.exp(logp.detach() - f["behave"])
+    w = torch.where(w > 5.0, 0.0, w)  # MIS: ratio is 1, so the loss is -A w, its gradient -A w
+    n = m.sum()
+    assert loss.item() == pytest.approx(float(-(f["adv"] * w)[m].sum() / n), abs=1e-6)
+    torch.testing.assert_close(logp.grad, torch.where(m, -f["adv"] * w / n, 0.0), atol=1e-6, rtol=0)
+
+
+def test_metrics_trains_as_recompute_and_measures_the_loglinear_gap_by_staleness():
+    from areal_mcore.algo import reduce_ppo_stats
+
+    mb = _trainer_mb()
+    f = mb.fields
+    logp = f["prox"] + 0.3 * torch.randn(len(f["prox"]), generator=torch.Generator().manual_seed(1))
+    loss, stats = _trainer_loss("metrics", mb, logp)
+    ref_loss, ref_stats = _trainer_loss("recompute", mb, logp)
+    assert torch.equal(loss, ref_loss) and "loglinear_gap_sum" not in ref_stats
+    summary = reduce_ppo_stats([stats])
+    # by hand: a token k versions stale gets α = k / (k + 1) (ours), loglinear = behave + α (θ − behave)
+    gaps = {}
+    for t in torch.nonzero(f["loss_mask"]).flatten().tolist():
+        k = 6 - int(f["versions"][t])
+        alpha = k / (k + 1)
+        approx = float(f["behave"][t]) + alpha * (float(logp[t]) - float(f["behave"][t]))
+        gaps.setdefault(min(k, 4), []).append(abs(float(f["prox"][t]) - approx))
+    every = [x for v in gaps.values() for x in v]
+    assert summary["loglinear_gap_mean"] == pytest.approx(sum(every) / len(every), rel=1e-5)
+    assert summary["loglinear_gap_max"] == pytest.approx(max(every), rel=1e-5)
+    for k, v in gaps.items():
+        label = f"{k}plus" if k == 4 else f"{k}"
+        assert summary[f"loglinear_gap_mean_stale{label}"] == pytest.approx(sum(v) / len(v), rel=1e-5)
+    assert len(gaps[4]) == 8  # 4 and 6 versions stale share the last bucket
+
+
+@pytest.mark.parametrize("method", ["metrics", "reuse_train_logp"])
+def test_proximal_methods_without_the_decoupled_loss_are_refused(method):
+    with pytest.raises(ValueError, match=f"prox_logp_method='{method}' needs use_decoupled_loss=true"):
+        PPOConfig(prox_logp_method=method)

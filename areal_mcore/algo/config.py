@@ -40,7 +40,7 @@ class NormConfig:
         return "group" in (self.mean_level, self.std_level)
 
 
-PROX_LOGP_METHODS = ("recompute", "loglinear")
+PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics", "reuse_train_logp")
 
 
 @dataclass(kw_only=True)
@@ -59,7 +59,10 @@ class PPOConfig:
     behav_imp_weight_cap: float | None = None
     # recompute: a forward pass before training; loglinear: AReaL's interpolation between
     # the behaviour and current logprobs (needs use_decoupled_loss: it *is* the proximal
-    # of the decoupled loss, and without it nothing corrects for the behaviour policy).
+    # of the decoupled loss, and without it nothing corrects for the behaviour policy);
+    # metrics: recompute, and log how far loglinear would be from it (train/loglinear_gap_*);
+    # reuse_train_logp: the training forward's own detached logprobs (no extra forward; the
+    # behaviour weight then corrects all the staleness). The last three need the decoupled loss.
     prox_logp_method: str = "recompute"
     # The loss menu (docs/algorithm.md#loss-options; formulas: algo.ppo_actor_loss). Each
     # default is boba's loss. token-mean | seq-mean-token-mean | seq-mean-token-sum |
@@ -100,6 +103,16 @@ class PPOConfig:
                 "the behaviour weight the loss trains against an interpolation with no correction "
                 "for the policy that sampled the tokens (use prox_logp_method=recompute)"
             )
+        if self.prox_logp_method == "metrics" and not self.use_decoupled_loss:
+            raise FieldError(
+                "prox_logp_method", "='metrics' needs use_decoupled_loss=true: it measures the "
+                "log-linear proximal of the decoupled loss, which does not exist without it "
+                "(use prox_logp_method=recompute)")
+        if self.prox_logp_method == "reuse_train_logp" and not self.use_decoupled_loss:
+            raise FieldError(
+                "prox_logp_method", "='reuse_train_logp' needs use_decoupled_loss=true: the proximal "
+                "policy becomes θ itself (ratio 1), so only the behaviour weight corrects for the "
+                "policy that sampled the tokens (use prox_logp_method=recompute)")
         self._check_loss_options()
         if self.adv_norm is not None and self.adv_norm.uses_groups:
             key = "mean_level" if self.adv_norm.mean_level == "group" else "std_level"

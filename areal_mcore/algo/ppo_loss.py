@@ -254,7 +254,30 @@ def loglinear_proximal_logprobs(
     return (behave + alpha * (logprobs_T.detach() - behave)).detach()
 
 
-_MAX_KEYS = ("behav_imp_weight_max",)
+STALENESS_BUCKETS = 5  # loglinear_gap_stats: staleness 0, 1, 2, 3 and 4 or more versions
+
+
+def loglinear_gap_stats(proximal_logprobs_T: torch.Tensor, loglinear_T: torch.Tensor, loss_mask_T: torch.Tensor,
+                        versions_T: torch.Tensor, proximal_version: int) -> dict[str, torch.Tensor]:
+    """How far the log-linear proximal is from the recomputed one (``prox_logp_method:
+    metrics``): sums of |Δ| over the loss tokens where both are finite, overall and by
+    staleness (``proximal_version`` − the token's version, the last bucket "4 or more"),
+    their token counts and the max; ``reduce_ppo_stats`` turns them into means."""
+    with torch.no_grad():
+        gap = (proximal_logprobs_T.float() - loglinear_T.float()).abs()
+        ok = loss_mask_T.bool() & torch.isfinite(gap)
+        gap = torch.where(ok, gap, 0.0)
+        stale = (proximal_version - versions_T.long()).clamp(0, STALENESS_BUCKETS - 1)
+        stats = {"loglinear_gap_sum": gap.sum(), "loglinear_gap_tokens": ok.float().sum(),
+                 "loglinear_gap_max": gap.amax() if gap.numel() else gap.sum()}
+        for k in range(STALENESS_BUCKETS):
+            in_k = ok & (stale == k)
+            stats[f"loglinear_gap_sum_stale{k}"] = torch.where(in_k, gap, 0.0).sum()
+            stats[f"loglinear_gap_tokens_stale{k}"] = in_k.float().sum()
+    return stats
+
+
+_MAX_KEYS = ("behav_imp_weight_max", "loglinear_gap_max")
 _OWN_KEYS = ("loss_tokens", "kept_tokens", "dropped_tokens", "cap_masked_tokens", "nonfinite_tokens",
              "clipped_tokens", "dual_clipped_tokens", "approx_kl_sum", "approx_kl_k3_sum",
              "behav_imp_weight_sum", "truncated_tokens", "loss", *_MAX_KEYS)  # "loss": the actor's, reported apart
@@ -273,20 +296,22 @@ def reduce_ppo_stats(
     caller added to the stats (e.g. ``empty_responses``) come back as totals.
     """
     keys = sorted(stats[0])
+    max_keys = [k for k in _MAX_KEYS if k in keys]
     sums = torch.stack([sum(s[k] for s in stats) for k in keys if k not in _MAX_KEYS]).double()
-    maxes = torch.stack([torch.stack([s[k] for s in stats]).max() for k in _MAX_KEYS]).double()
+    maxes = torch.stack([torch.stack([s[k] for s in stats]).max() for k in max_keys]).double()
     if group is not None:
         collectives.all_reduce(sums, group)
         collectives.all_reduce(maxes, group, op=dist.ReduceOp.MAX)
     total = dict(zip([k for k in keys if k not in _MAX_KEYS], sums.tolist()))
-    total.update(zip(_MAX_KEYS, maxes.tolist()))
+    total.update(zip(max_keys, maxes.tolist()))
     n = max(total["loss_tokens"], 1.0)
     kept = max(total["kept_tokens"], 1.0)
-    extra = {k: v for k, v in total.items() if k not in _OWN_KEYS}  # the caller's counts
+    extra = {k: v for k, v in total.items() if k not in _OWN_KEYS and not k.startswith("loglinear_gap")}
     truncated = {"behav_truncated_ratio": total["truncated_tokens"] / n} if "truncated_tokens" in total else {}
     return {
         **extra,
         **truncated,
+        **_loglinear_gap(total),
         "loss_tokens": total["loss_tokens"],
         "behav_dropped_ratio": total["dropped_tokens"] / n,
         "cap_masked_ratio": total["cap_masked_tokens"] / n,
@@ -298,3 +323,18 @@ def reduce_ppo_stats(
         "behav_imp_weight_mean": total["behav_imp_weight_sum"] / kept,
         "behav_imp_weight_max": total["behav_imp_weight_max"],
     }
+
+
+def _loglinear_gap(total: dict[str, float]) -> dict[str, float]:
+    """``loglinear_gap_stats``' sums → the mean |Δ| (overall and per staleness bucket,
+    buckets without tokens left out) and the max; nothing when they were not computed."""
+    if "loglinear_gap_sum" not in total:
+        return {}
+    out = {"loglinear_gap_mean": total["loglinear_gap_sum"] / max(total["loglinear_gap_tokens"], 1.0),
+           "loglinear_gap_max": total["loglinear_gap_max"]}
+    for k in range(STALENESS_BUCKETS):
+        n = total[f"loglinear_gap_tokens_stale{k}"]
+        if n > 0:
+            label = f"{k}" if k < STALENESS_BUCKETS - 1 else f"{k}plus"
+            out[f"loglinear_gap_mean_stale{label}"] = total[f"loglinear_gap_sum_stale{k}"] / n
+    return out
