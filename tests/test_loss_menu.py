@@ -311,12 +311,29 @@ def _trainer_mb(seed=7):
     return pack(seqs, fields)
 
 
-def _trainer_loss(method, mb, logp):
+def _trainer_loss(method, mb, logp, **options):
     from areal_mcore.trainer.ppo import ppo_loss
 
-    ppo = PPOConfig(use_decoupled_loss=True, behav_imp_weight_cap=5.0, prox_logp_method=method)
+    ppo = PPOConfig(use_decoupled_loss=True, behav_imp_weight_cap=5.0, prox_logp_method=method, **options)
     n_tok = mb.fields["loss_mask"].sum()
     return ppo_loss(ppo, 6, logp, mb, n_tok, torch.tensor(6.0))
+
+
+@pytest.mark.parametrize("options", [
+    dict(loss_agg_mode="seq-mean-token-sum-norm", loss_norm_tokens=9),
+    dict(importance_sampling_level="sequence"),
+    dict(behav_imp_weight_level="sequence", behav_imp_weight_mode="truncate"),
+])
+def test_the_trainers_loss_hands_each_config_option_to_ppo_actor_loss(options):
+    mb = _trainer_mb()
+    f = mb.fields
+    logp = f["prox"] + 0.3 * torch.randn(len(f["prox"]), generator=torch.Generator().manual_seed(2))
+    loss, _ = _trainer_loss("recompute", mb, logp, **options)
+    expected, _ = ppo_actor_loss(logp, f["prox"], f["adv"], f["loss_mask"], num_global_tokens=f["loss_mask"].sum(),
+                                 eps_clip=0.2, behave_logprobs_T=f["behave"], behav_imp_weight_cap=5.0,
+                                 cu_seqlens_B1=mb.cu_seqlens_padded, num_global_seqs=6.0, **options)
+    default, _ = _trainer_loss("recompute", mb, logp)
+    assert torch.equal(loss, expected) and not torch.equal(loss, default)
 
 
 def test_reuse_train_logp_takes_thetas_logprobs_as_proximal_so_only_the_behaviour_weight_corrects():
