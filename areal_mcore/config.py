@@ -104,6 +104,7 @@ class ExperimentConfig(InferenceConfig):
             raise ValueError(f"rollout.temperature={self.rollout.temperature} must be > 0 for training: "
                              "the actor scores tokens at the sampling temperature")
         self._check_reward_groups()
+        self._resolve_loss_norm_tokens()
         self._check_allocation()
         t = self.trainer
         if t is not None and t.max_rollout_logprob_gap is not None and self.ppo.prox_logp_method != "recompute":
@@ -111,6 +112,16 @@ class ExperimentConfig(InferenceConfig):
                 f"trainer.max_rollout_logprob_gap={t.max_rollout_logprob_gap} needs "
                 f"ppo.prox_logp_method=recompute (it is {self.ppo.prox_logp_method!r}): the gap is "
                 "measured against the recomputed proximal logprobs; set the method or the gap to null")
+
+    def _resolve_loss_norm_tokens(self) -> None:
+        # Dr.GRPO's constant normaliser defaults to the longest response the rollout allows.
+        ppo = self.ppo
+        if ppo.loss_agg_mode != "seq-mean-token-sum-norm" or ppo.loss_norm_tokens is not None:
+            return
+        if self.rollout is None:
+            raise ValueError("ppo.loss_agg_mode='seq-mean-token-sum-norm' needs ppo.loss_norm_tokens "
+                             "when there is no rollout section (null follows rollout.max_new_tokens)")
+        self.ppo = dataclasses.replace(ppo, loss_norm_tokens=self.rollout.max_new_tokens)
 
     def _check_allocation(self) -> None:
         # The allocation decides which nodes and GPUs the rollout side gets, server.backend

@@ -22,7 +22,7 @@ from areal_mcore.devices import bind_local_device
 from areal_mcore.packing import pack
 
 
-def nll(logp, mb, tokens):
+def nll(logp, mb, tokens, seqs):
     mask = mb.fields["loss_mask"]
     return -(logp * mask).sum() / tokens, {}
 

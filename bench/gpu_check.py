@@ -110,7 +110,7 @@ def check_numerics(max_len: int) -> dict:
 def check_speed(steps: int, seqs: int, max_len: int, mb_tokens: int, peak_tflops: float) -> dict:
     from areal_mcore.packing import pack
 
-    def nll(logprobs_T, mb, num_global_tokens):
+    def nll(logprobs_T, mb, num_global_tokens, num_global_seqs):
         m = mb.fields["loss_mask"].to(logprobs_T.device)
         return -(logprobs_T * m).sum() / num_global_tokens, {}
 

@@ -24,7 +24,7 @@ def train_fields(seqs, seed=2):
     }
 
 
-def ppo_loss(logp, mb, tokens):
+def ppo_loss(logp, mb, tokens, seqs):
     f = mb.fields
     return ppo_actor_loss(logp, f["prox"], f["adv"], f["loss_mask"], num_global_tokens=tokens,
                           eps_clip=0.2)

@@ -1,10 +1,11 @@
 """MegatronActor: a megatron-core GPTModel with DDP + DistributedOptimizer that computes
 token logprobs and trains on THD micro-batches with a caller-supplied loss.
 
-The loss contract (``LossFn``): ``loss_fn(logprobs_T, micro_batch, num_global_tokens)``
-returns ``(loss, stats)`` where ``loss`` is already a *sum* over the micro-batch divided
-by the loss-token count of the whole minibatch on all data-parallel ranks. The actor
-undoes megatron's own averaging so that these losses add up to the exact token mean.
+The loss contract (``LossFn``): ``loss_fn(logprobs_T, micro_batch, num_global_tokens,
+num_global_seqs)`` returns ``(loss, stats)`` where ``loss`` is already a *sum* over the
+micro-batch divided by a count of the whole minibatch on all data-parallel ranks: its
+loss tokens, or (per-sequence aggregations) its sequences with at least one loss token.
+The actor undoes megatron's own averaging so that these losses add up to the exact mean.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from areal_mcore.packing import (
     unpack,
 )
 
-LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor], tuple[torch.Tensor, dict]]
+LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
 class MegatronActor:
@@ -282,8 +283,8 @@ class MegatronActor:
         result = {"loss": [], "grad_norm": [], "n_micro_batches": [], "micro_stats": []}
         minibatches = _minibatches(batch, n_minibatches)
         for k, sub in enumerate(minibatches):
-            micro, tokens = self._plan_minibatch(sub, batch)
-            loss, outputs = self._forward_backward(micro, loss_fn, tokens, temperature)
+            micro, counts = self._plan_minibatch(sub, batch)
+            loss, outputs = self._forward_backward(micro, loss_fn, counts, temperature)
             if g.is_last_stage:
                 result["micro_stats"].extend(outputs)
             _check_finite(loss, outputs, f"{f'step {step}, ' if step is not None else ''}"
@@ -299,25 +300,30 @@ class MegatronActor:
         result["time_s"] = time.perf_counter() - t0
         return result
 
-    def _plan_minibatch(self, sub: PackedBatch | None, batch: PackedBatch) -> tuple[list[PackedBatch], torch.Tensor]:
+    def _plan_minibatch(self, sub: PackedBatch | None,
+                        batch: PackedBatch) -> tuple[list[PackedBatch], tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of one minibatch (a placeholder where it has none of
-        its sequences), and the minibatch's loss-token count over the DP group."""
+        its sequences), and the minibatch's counts over the DP group: loss tokens, and
+        sequences with at least one loss token (the per-sequence losses' normaliser)."""
         g = self.groups
-        # One all-reduce gives the global loss-token count and the minibatch's sequence
-        # count, which bounds the micro-batch count any rank can ask for.
+        # One all-reduce gives the global loss-token and loss-sequence counts and the
+        # minibatch's sequence count, which bounds the micro-batch count any rank can ask for.
         counts = torch.tensor([0.0 if sub is None else float(sub.fields["loss_mask"].sum()),
-                               0.0 if sub is None else float(sub.num_seqs)], device=self.device)
+                               0.0 if sub is None else float(sub.num_seqs),
+                               0.0 if sub is None else float(_loss_seqs(sub))], device=self.device)
         collectives.all_reduce(counts, g.dp)
-        tokens = counts[0].clamp(min=1.0)  # a minibatch without loss tokens: 0, not 0/0
+        # a minibatch without loss tokens: 0, not 0/0
+        totals = (counts[0].clamp(min=1.0), counts[2].clamp(min=1.0))
         if sub is None:
             sub = _placeholder(batch, max(int(counts[1]), 1))
         sub = self._tp_aligned(sub)
         lens = sub.seqlens_padded
         bins = allocate_micro_batches_synced(lens, self.cfg.mb_spec.max_tokens_per_mb, group=g.dp,
                                              min_mbs=min(g.pp_size, len(lens)))
-        return sub.select_many(bins), tokens
+        return sub.select_many(bins), totals
 
-    def _forward_backward(self, micro: list[PackedBatch], loss_fn: LossFn, tokens: torch.Tensor,
+    def _forward_backward(self, micro: list[PackedBatch], loss_fn: LossFn,
+                          counts: tuple[torch.Tensor, torch.Tensor],
                           temperature: float) -> tuple[torch.Tensor, list[dict]]:
         """Gradients of one minibatch; returns its loss (summed over micro-batches and DP,
         on every rank) and the loss function's per-micro-batch stats (last stage)."""
@@ -325,12 +331,12 @@ class MegatronActor:
 
         def loss_func(mb, logits):
             logp = self._logprobs(mb, logits, temperature=temperature)
-            loss, stats = loss_fn(logp, mb, tokens)
+            loss, stats = loss_fn(logp, mb, *counts)
             stats = {**stats, "loss": loss.detach().clone()}
             # megatron divides each micro-batch loss by num_microbatches (schedules.py,
             # forward_step) and DDP averages grads over DP (gradient_scaling_factor =
-            # 1/dp); our loss is already normalised by the global token count, so
-            # both divisions are undone here to keep the sum an exact token mean.
+            # 1/dp); our loss is already normalised by a global count, so
+            # both divisions are undone here to keep the sum an exact mean.
             return loss * n_mb * g.dp_size, stats
 
         self.model.zero_grad_buffer()
@@ -363,6 +369,14 @@ def _minibatches(batch: PackedBatch, n: int) -> list[PackedBatch | None]:
     splits = [ids.tolist() for ids in np.array_split(np.arange(batch.num_seqs), n)]
     chosen = batch.select_many([ids for ids in splits if ids])
     return [chosen.pop(0) if ids else None for ids in splits]
+
+
+def _loss_seqs(batch: PackedBatch) -> torch.Tensor:
+    """Sequences of ``batch`` with at least one loss token (an empty response has none)."""
+    csum = torch.cumsum(batch.fields["loss_mask"].long(), 0)
+    csum = torch.cat([csum.new_zeros(1), csum])
+    cu = batch.cu_seqlens_padded.long()
+    return (csum[cu[1:]] > csum[cu[:-1]]).sum()
 
 
 def _check_finite(loss: torch.Tensor, outputs: list[dict], where: str) -> None:

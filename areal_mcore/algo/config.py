@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from areal_mcore.algo.normalize import LEVELS as NORM_LEVELS
+from areal_mcore.algo.ppo_loss import BEHAV_WEIGHT_MODES, IS_LEVELS, LOSS_AGG_MODES
 from areal_mcore.checks import (
     FieldError,
     check_choice,
@@ -39,7 +40,7 @@ class NormConfig:
         return "group" in (self.mean_level, self.std_level)
 
 
-PROX_LOGP_METHODS = ("recompute", "loglinear")
+PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics", "reuse_train_logp")
 
 
 @dataclass(kw_only=True)
@@ -58,8 +59,23 @@ class PPOConfig:
     behav_imp_weight_cap: float | None = None
     # recompute: a forward pass before training; loglinear: AReaL's interpolation between
     # the behaviour and current logprobs (needs use_decoupled_loss: it *is* the proximal
-    # of the decoupled loss, and without it nothing corrects for the behaviour policy).
+    # of the decoupled loss, and without it nothing corrects for the behaviour policy);
+    # metrics: recompute, and log how far loglinear would be from it (train/loglinear_gap_*);
+    # reuse_train_logp: the training forward's own detached logprobs (no extra forward; the
+    # behaviour weight then corrects all the staleness). The last three need the decoupled loss.
     prox_logp_method: str = "recompute"
+    # The loss menu (docs/algorithm.md#loss-options; formulas: algo.ppo_actor_loss). Each
+    # default is boba's loss. token-mean | seq-mean-token-mean | seq-mean-token-sum |
+    # seq-mean-token-sum-norm (Dr.GRPO: per-sequence token sums / loss_norm_tokens).
+    loss_agg_mode: str = "token-mean"
+    # seq-mean-token-sum-norm's constant; null: rollout.max_new_tokens (ExperimentConfig).
+    loss_norm_tokens: int | None = None
+    # token, or sequence (GSPO: one length-normalised ratio per sequence, clipped as one).
+    importance_sampling_level: str = "token"
+    # The behaviour weight per token, or one per sequence (product over its loss tokens).
+    behav_imp_weight_level: str = "token"
+    # Above behav_imp_weight_cap: mask (MIS: drop) or truncate (TIS: min(weight, cap)).
+    behav_imp_weight_mode: str = "mask"
     discount: float = 1.0
     gae_lambda: float = 1.0
     reward_bias: float = 0.0
@@ -87,6 +103,17 @@ class PPOConfig:
                 "the behaviour weight the loss trains against an interpolation with no correction "
                 "for the policy that sampled the tokens (use prox_logp_method=recompute)"
             )
+        if self.prox_logp_method == "metrics" and not self.use_decoupled_loss:
+            raise FieldError(
+                "prox_logp_method", "='metrics' needs use_decoupled_loss=true: it measures the "
+                "log-linear proximal of the decoupled loss, which does not exist without it "
+                "(use prox_logp_method=recompute)")
+        if self.prox_logp_method == "reuse_train_logp" and not self.use_decoupled_loss:
+            raise FieldError(
+                "prox_logp_method", "='reuse_train_logp' needs use_decoupled_loss=true: the proximal "
+                "policy becomes θ itself (ratio 1), so only the behaviour weight corrects for the "
+                "policy that sampled the tokens (use prox_logp_method=recompute)")
+        self._check_loss_options()
         if self.adv_norm is not None and self.adv_norm.uses_groups:
             key = "mean_level" if self.adv_norm.mean_level == "group" else "std_level"
             raise FieldError(
@@ -97,3 +124,30 @@ class PPOConfig:
         for key in ("discount", "gae_lambda"):
             check_unit_interval(key, getattr(self, key))
         check_positive("reward_clip", self.reward_clip)
+
+    def _check_loss_options(self) -> None:
+        check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        check_choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
+        check_choice("behav_imp_weight_level", self.behav_imp_weight_level, IS_LEVELS)
+        check_choice("behav_imp_weight_mode", self.behav_imp_weight_mode, BEHAV_WEIGHT_MODES)
+        if self.loss_norm_tokens is not None:
+            check_positive("loss_norm_tokens", self.loss_norm_tokens)
+            if self.loss_agg_mode != "seq-mean-token-sum-norm":
+                raise field_error("loss_norm_tokens", self.loss_norm_tokens, "is used only by "
+                                  "loss_agg_mode=seq-mean-token-sum-norm (Dr.GRPO's constant); set that "
+                                  f"mode or loss_norm_tokens=null (loss_agg_mode is {self.loss_agg_mode!r})")
+        # The behaviour weight exists only in the decoupled loss: an option shaping it
+        # would silently do nothing without it.
+        for key, default in (("behav_imp_weight_level", "token"), ("behav_imp_weight_mode", "mask")):
+            value = getattr(self, key)
+            if value != default and not self.use_decoupled_loss:
+                raise field_error(key, value, "needs use_decoupled_loss=true: without it there is no "
+                                  "behaviour weight exp(prox - behave) to shape")
+        if self.behav_imp_weight_mode == "truncate" and self.behav_imp_weight_cap is None:
+            raise field_error("behav_imp_weight_mode", "truncate", "needs behav_imp_weight_cap: TIS "
+                              "truncates the weight at that cap (min(weight, cap))")
+        if self.behav_imp_weight_level == "sequence" and self.behav_imp_weight_cap is None:
+            # A product of thousands of token weights is unbounded: exp(±100s) is common.
+            raise field_error("behav_imp_weight_level", "sequence", "needs behav_imp_weight_cap: a "
+                              "sequence's weight is the product of its tokens' weights and without a "
+                              "cap (mask or truncate) one sequence can dominate the batch")

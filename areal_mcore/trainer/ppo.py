@@ -27,7 +27,12 @@ from transformers import AutoConfig, AutoTokenizer
 from areal_mcore import collectives
 from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
 from areal_mcore.actor.megatron_actor import MegatronActor
-from areal_mcore.algo import loglinear_proximal_logprobs, ppo_actor_loss, reduce_ppo_stats
+from areal_mcore.algo import (
+    loglinear_gap_stats,
+    loglinear_proximal_logprobs,
+    ppo_actor_loss,
+    reduce_ppo_stats,
+)
 from areal_mcore.algo.config import PPOConfig
 from areal_mcore.algo.drift import reduce_rollout_gap, rollout_gap_sums
 from areal_mcore.config import ExperimentConfig
@@ -43,21 +48,34 @@ from areal_mcore.trainer.rollout_side import RolloutSide
 from areal_mcore.weight_sync import weight_syncer
 
 
-def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens):
-    """The actor's loss: clipped PPO against the proximal logprobs (recomputed before
-    training, or AReaL's log-linear interpolation with the proximal weights at
-    ``version`` = this step's index: our version labels, see
-    ``algo.loglinear_proximal_logprobs``), with the behaviour (rollout) logprobs in the
-    decoupled form when configured; also counts the batch's empty responses."""
-    f = mb.fields
-    prox = (f["prox"] if ppo.prox_logp_method == "recompute"
-            else loglinear_proximal_logprobs(f["behave"], logprobs_T, f["versions"], version))
+def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens, num_global_seqs):
+    """The actor's loss: clipped PPO against the proximal logprobs (``prox_logp_method``:
+    recomputed before training; AReaL's log-linear interpolation with the proximal weights
+    at ``version`` = this step's index, our version labels, see
+    ``algo.loglinear_proximal_logprobs``; recomputed and measured against that
+    interpolation, ``metrics``; or θ's own detached logprobs, ``reuse_train_logp``), with
+    the behaviour (rollout) logprobs in the decoupled form when configured, and the loss options of ``ppo`` (aggregation,
+    importance-sampling level, behaviour-weight level and mode); also counts the batch's
+    empty responses."""
+    f, method, extra = mb.fields, ppo.prox_logp_method, {}
+    if method in ("recompute", "metrics"):
+        prox = f["prox"]
+    elif method == "loglinear":
+        prox = loglinear_proximal_logprobs(f["behave"], logprobs_T, f["versions"], version)
+    else:  # reuse_train_logp: θ's own logprobs, detached; the behaviour weight corrects all
+        prox = logprobs_T.detach()
+    if method == "metrics":
+        approx = loglinear_proximal_logprobs(f["behave"], logprobs_T, f["versions"], version)
+        extra = loglinear_gap_stats(prox, approx, f["loss_mask"], f["versions"], version)
     loss, stats = ppo_actor_loss(
         logprobs_T, prox, f["adv"], f["loss_mask"], num_global_tokens=num_global_tokens,
         eps_clip=ppo.eps_clip, eps_clip_high=ppo.eps_clip_high, c_clip=ppo.c_clip,
         behave_logprobs_T=f["behave"] if ppo.use_decoupled_loss else None,
-        behav_imp_weight_cap=ppo.behav_imp_weight_cap)
-    return loss, {**stats, "empty_responses": f["empty_response"].sum()}
+        behav_imp_weight_cap=ppo.behav_imp_weight_cap, cu_seqlens_B1=mb.cu_seqlens_padded,
+        num_global_seqs=num_global_seqs, loss_agg_mode=ppo.loss_agg_mode, loss_norm_tokens=ppo.loss_norm_tokens,
+        importance_sampling_level=ppo.importance_sampling_level,
+        behav_imp_weight_level=ppo.behav_imp_weight_level, behav_imp_weight_mode=ppo.behav_imp_weight_mode)
+    return loss, {**stats, **extra, "empty_responses": f["empty_response"].sum()}
 
 
 class RolloutDriftError(RuntimeError):
@@ -81,7 +99,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             with phase("advantages"):
                 batch = to_train_batch(samples, ppo, dp_group=run.actor.groups.dp)
             temperature = cfg.rollout.temperature  # score what the servers sampled from
-            if ppo.prox_logp_method == "recompute":
+            if ppo.prox_logp_method in ("recompute", "metrics"):
                 with phase("recompute"):  # π_prox before the update
                     batch.fields["prox"] = run.actor.compute_logprobs(batch, temperature=temperature)
                 rollout_stats = {**rollout_stats, **run.check_drift(step, batch)}  # may end the run

@@ -50,9 +50,11 @@ def sft_batch(pairs: list[tuple[list[int], list[int]]], *, pad_to_multiple_of: i
     return pack(seqs, {"loss_mask": masks}, pad_to_multiple_of=pad_to_multiple_of)
 
 
-def sft_loss(logprobs_T: torch.Tensor, mb: PackedBatch, num_global_tokens: torch.Tensor):
+def sft_loss(logprobs_T: torch.Tensor, mb: PackedBatch, num_global_tokens: torch.Tensor,
+             num_global_seqs: torch.Tensor | None = None):
     """NLL summed over this micro-batch's response tokens / all response tokens of the
-    minibatch on every DP rank: the micro-batch losses add up to the token mean."""
+    minibatch on every DP rank: the micro-batch losses add up to the token mean
+    (``num_global_seqs``, the actor's other count, is unused)."""
     mask_T = mb.fields["loss_mask"].to(logprobs_T.dtype)
     nll = -(logprobs_T * mask_T).sum()
     return nll / num_global_tokens, {"nll_sum": nll.detach(), "tokens": mask_T.sum()}
