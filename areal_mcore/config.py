@@ -107,11 +107,12 @@ class ExperimentConfig(InferenceConfig):
         self._resolve_loss_norm_tokens()
         self._check_allocation()
         t = self.trainer
-        if t is not None and t.max_rollout_logprob_gap is not None and self.ppo.prox_logp_method != "recompute":
+        recomputed = ("recompute", "metrics")  # the methods that run the proximal forward pass
+        if t is not None and t.max_rollout_logprob_gap is not None and self.ppo.prox_logp_method not in recomputed:
             raise ValueError(
                 f"trainer.max_rollout_logprob_gap={t.max_rollout_logprob_gap} needs "
-                f"ppo.prox_logp_method=recompute (it is {self.ppo.prox_logp_method!r}): the gap is "
-                "measured against the recomputed proximal logprobs; set the method or the gap to null")
+                f"ppo.prox_logp_method recompute or metrics (it is {self.ppo.prox_logp_method!r}): the "
+                "gap is measured against the recomputed proximal logprobs; set the method or the gap to null")
 
     def _resolve_loss_norm_tokens(self) -> None:
         # Dr.GRPO's constant normaliser defaults to the longest response the rollout allows.

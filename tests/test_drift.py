@@ -63,6 +63,10 @@ def test_the_drift_alarm_is_off_by_default_needs_a_positive_gap_and_the_recomput
     assert load_config(tiny, schema=ExperimentConfig).trainer.max_rollout_logprob_gap is None
     with pytest.raises(ConfigError, match=r"trainer.max_rollout_logprob_gap=-1.0 must be > 0"):
         load_config(tiny, ["trainer.max_rollout_logprob_gap=-1"])
-    with pytest.raises(ConfigError, match=r"trainer.max_rollout_logprob_gap=0.01 needs ppo.prox_logp_method=recompute"):
-        load_config(tiny, ["trainer.max_rollout_logprob_gap=0.01", "ppo.use_decoupled_loss=true",
-                           "ppo.prox_logp_method=loglinear"])
+    for method in ("loglinear", "reuse_train_logp"):  # no proximal forward pass to compare with
+        with pytest.raises(ConfigError, match=r"trainer.max_rollout_logprob_gap=0.01 needs ppo.prox_logp_method "
+                                              r"recompute or metrics"):
+            load_config(tiny, ["trainer.max_rollout_logprob_gap=0.01", "ppo.use_decoupled_loss=true",
+                               f"ppo.prox_logp_method={method}"])
+    load_config(tiny, ["trainer.max_rollout_logprob_gap=0.01", "ppo.use_decoupled_loss=true",
+                       "ppo.prox_logp_method=metrics"])
