@@ -83,8 +83,9 @@ class RolloutSide:
         """The next batch: sampled now (sync) or collected from the running stream (async)."""
         if self.cfg.trainer.mode == "async":
             return self.loop.run(self.controller.prepare_batch(self.cfg.trainer.batch_size))
-        batch = [self.prompts[i] for i in self.sampler.next_batch()]
-        return self.loop.run(self.controller.rollout_batch(batch))
+        def next_prompts():  # also dynamic sampling's further rounds: the sampler's state moves on
+            return [self.prompts[i] for i in self.sampler.next_batch()]
+        return self.loop.run(self.controller.rollout_batch(next_prompts(), more=next_prompts))
 
     def evaluate(self) -> dict | None:
         """Accuracy on the held-out problems (None without an eval set)."""
