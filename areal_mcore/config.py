@@ -105,6 +105,7 @@ class ExperimentConfig(InferenceConfig):
                              "the actor scores tokens at the sampling temperature")
         self._check_reward_groups()
         self._resolve_loss_norm_tokens()
+        self._check_overlong_penalty()
         self._check_allocation()
         t = self.trainer
         recomputed = ("recompute", "metrics")  # the methods that run the proximal forward pass
@@ -141,6 +142,26 @@ class ExperimentConfig(InferenceConfig):
                 f"starts them; make them agree (e.g. launch.allocation="
                 f"{str(dataclasses.replace(rollout, backend=server.backend))!r}+..., or "
                 f"server.backend={rollout.backend})")
+
+    def _check_overlong_penalty(self) -> None:
+        # The penalty's length limit is the rollout's: one source of truth.
+        pen = self.ppo.overlong_penalty
+        if pen is None:
+            return
+        n = self.rollout.max_new_tokens if self.rollout is not None else None
+        if pen.max_new_tokens is None:
+            if n is None:
+                raise ValueError("ppo.overlong_penalty.max_new_tokens is needed when there is no rollout "
+                                 "section (set it, or rollout.max_new_tokens)")
+            try:
+                self.ppo.overlong_penalty = dataclasses.replace(pen, max_new_tokens=n)
+            except FieldError as e:  # its own check, now that it knows the limit
+                raise ValueError(e.at("ppo.overlong_penalty.")) from None
+        elif n is not None and pen.max_new_tokens != n:
+            raise ValueError(
+                f"ppo.overlong_penalty.max_new_tokens={pen.max_new_tokens} does not match "
+                f"rollout.max_new_tokens={n}: the penalty must reach its full size at the length "
+                f"limit; set it to {n} or null (null follows rollout.max_new_tokens)")
 
     def _check_reward_groups(self) -> None:
         # Reward groups are the rollout's groups: one source of truth for their size.

@@ -168,6 +168,7 @@ SECTION_CASES = {
     "ppo": ("ppo.c_clip=0.5", "ppo.c_clip"),
     "ppo.reward_norm": ("ppo.reward_norm.std_level=prompt", "ppo.reward_norm.std_level"),
     "ppo.adv_norm": ("ppo.adv_norm.eps=-1", "ppo.adv_norm.eps"),
+    "ppo.overlong_penalty": ("ppo.overlong_penalty.buffer_len=0", "ppo.overlong_penalty.buffer_len"),
     "dataset": ("dataset.format=csv", "dataset.format"),
     "eval_dataset": ("eval_dataset.think=yes", "eval_dataset.think"),
     "rollout": ("rollout.n_samples=0", "rollout.n_samples"),

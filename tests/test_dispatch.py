@@ -26,14 +26,15 @@ def _samples(n_groups: int, n: int, seed: int = 0) -> list[Sample]:
             out.append(Sample(group=gi, prompt_ids=prompt, output_ids=torch.randint(0, 1000, (k,), generator=g).tolist(),
                               logprobs=(-torch.rand(k, generator=g, dtype=torch.float64)).tolist(),
                               versions=torch.randint(0, 5, (k,), generator=g).tolist(),
-                              reward=float(torch.randint(0, 2, (1,), generator=g)), finish_reason="stop",
+                              reward=float(torch.randint(0, 2, (1,), generator=g)),
+                              finish_reason="length" if k % 3 == 0 else "stop",
                               start_version=0))
     return out
 
 
 def _as_lists(shard: RolloutShard) -> dict:
     return {k: getattr(shard, k).tolist() for k in
-            ("prompt_lens", "output_lens", "tokens", "logprobs", "versions", "rewards")}
+            ("prompt_lens", "output_lens", "tokens", "logprobs", "versions", "rewards", "truncated")}
 
 
 def test_shard_bytes_round_trip_and_values_match_the_samples():
@@ -42,6 +43,8 @@ def test_shard_bytes_round_trip_and_values_match_the_samples():
     back = RolloutShard.from_bytes(shard.header(), shard.to_bytes())
     assert _as_lists(back) == _as_lists(shard)
     assert shard.tokens.tolist() == [t for s in samples for t in s.prompt_ids + s.output_ids]
+    assert 0 < sum(back.truncated.tolist()) < len(samples)  # ppo.mask_truncated_samples reads it
+    assert back.truncated.tolist() == [int(s.finish_reason == "length") for s in samples]
     # float32 exactly as torch.tensor(list).float() rounds them (what the batch used before)
     assert torch.equal(shard.logprobs, torch.tensor([lp for s in samples for lp in s.logprobs]).float())
     assert shard.nbytes == shard.to_bytes().numel() == RolloutShard.nbytes_of(shard.header())
@@ -173,19 +176,19 @@ def test_ppo_at_dp2_with_dispatch_trains_bitwise_like_the_pickled_broadcast(tmp_
     for step, ((got0, expected, _), (got1, _, received1)) in enumerate(zip(new[0][1], new[1][1])):
         assert got0 == expected[0] and got1 == expected[1], step  # rank 1 got replica 1's samples only
         b, t, o = (len(expected[1][k]) for k in ("rewards", "tokens", "logprobs"))
-        assert received1 == 24 + 20 * b + 4 * t + 8 * o  # header + int64 x 2, float32 per sample...
+        assert received1 == 24 + 24 * b + 4 * t + 8 * o  # header + int64 x 2, float32, int32 per sample...
 
 
 def test_the_dispatch_cost_model_adds_its_documented_terms():
     from areal_mcore.trainer.dispatch_projection import BatchShape, DispatchLink, predict_dispatch_s
 
-    shape = BatchShape(samples=10, tokens=1000, response_tokens=600)  # 4*1000 + 8*600 + 20*10 bytes
-    assert shape.wire_bytes == 9000 and shape.elements == 2200
+    shape = BatchShape(samples=10, tokens=1000, response_tokens=600)  # 4*1000 + 8*600 + 24*10 bytes
+    assert shape.wire_bytes == 9040 and shape.elements == 2200
     link = DispatchLink(link_GBps=1e-6, mp_GBps=1e-6, h2d_GBps=1e-6, alpha_s=0.5)  # 1 kB/s: seconds = kB
     p = predict_dispatch_s(shape, replicas=4, mp_size=8, t_elem_s=1e-3, link=link)
-    assert p["pack_s"] == pytest.approx(2.2) and p["h2d_s"] == pytest.approx(9.0)
-    assert p["send_s"] == pytest.approx(9.0 * 3 / 4 + 2 * 3 * 0.5)  # three heads, header + buffer each
-    assert p["bcast_s"] == pytest.approx(9.0 / 4 + 2 * 3 * 0.5)  # a quarter, log2(8) = 3 hops
+    assert p["pack_s"] == pytest.approx(2.2) and p["h2d_s"] == pytest.approx(9.04)
+    assert p["send_s"] == pytest.approx(9.04 * 3 / 4 + 2 * 3 * 0.5)  # three heads, header + buffer each
+    assert p["bcast_s"] == pytest.approx(9.04 / 4 + 2 * 3 * 0.5)  # a quarter, log2(8) = 3 hops
     assert p["total_s"] == pytest.approx(sum(v for k, v in p.items() if k != "total_s"))
     arrays = predict_dispatch_s(shape, replicas=4, mp_size=8, t_elem_s=1e-3, link=link, concat_GBps=1e-6)
-    assert arrays["pack_s"] == pytest.approx(18.0)  # two copies of the buffer
+    assert arrays["pack_s"] == pytest.approx(18.08)  # two copies of the buffer

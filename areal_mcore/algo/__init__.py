@@ -8,13 +8,14 @@ from areal_mcore.algo.ppo_loss import (
     ppo_actor_loss,
     reduce_ppo_stats,
 )
-from areal_mcore.algo.reward_shaping import transform_reward
+from areal_mcore.algo.reward_shaping import overlong_penalty, transform_reward
 
 __all__ = [
     "gae_packed",
     "loglinear_gap_stats",
     "loglinear_proximal_logprobs",
     "normalize",
+    "overlong_penalty",
     "ppo_actor_loss",
     "reduce_ppo_stats",
     "transform_reward",

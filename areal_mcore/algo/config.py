@@ -40,6 +40,28 @@ class NormConfig:
         return "group" in (self.mean_level, self.std_level)
 
 
+@dataclass(kw_only=True)
+class OverlongPenaltyConfig:
+    """DAPO's soft overlong punishment (``algo.overlong_penalty``): 0 up to
+    ``max_new_tokens - buffer_len`` response tokens, then linear down to ``-penalty_factor``
+    at ``max_new_tokens``; added to the raw reward before bias and scaling."""
+
+    buffer_len: int
+    penalty_factor: float = 1.0
+    # null: rollout.max_new_tokens (ExperimentConfig fills it in and refuses a mismatch).
+    max_new_tokens: int | None = None
+
+    def __post_init__(self):
+        check_positive("buffer_len", self.buffer_len)
+        check_positive("penalty_factor", self.penalty_factor, allow_zero=True)
+        if self.max_new_tokens is not None:
+            check_positive("max_new_tokens", self.max_new_tokens)
+            if self.buffer_len > self.max_new_tokens:
+                raise field_error("buffer_len", self.buffer_len,
+                                  f"must be <= max_new_tokens={self.max_new_tokens} (the penalty starts "
+                                  "buffer_len tokens before the length limit)")
+
+
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics", "reuse_train_logp")
 
 
@@ -85,6 +107,11 @@ class PPOConfig:
     adv_norm: NormConfig | None = None
     # GAE (kernels/gae.py): "auto" is Triton on GPU with triton installed, torch otherwise.
     gae_kernel: str = "auto"
+    # DAPO (arXiv 2503.14476): soft overlong punishment added to the raw reward (null: off),
+    # and overlong filtering: samples the server cut at the length limit (finish_reason
+    # length) leave the loss and its token count.
+    overlong_penalty: OverlongPenaltyConfig | None = None
+    mask_truncated_samples: bool = False
 
     def __post_init__(self):
         check_positive("ppo_n_minibatches", self.ppo_n_minibatches)

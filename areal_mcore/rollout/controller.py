@@ -11,6 +11,15 @@ AReaL's capacity rule bounding how stale a sample can be::
 number consumed, so the bound holds across resume. A group is also checked when it is
 handed out: if its admission version is more than ``max_head_offpolicyness`` behind (a
 slow group overtaken by newer ones), it is dropped and counted, never trained on.
+
+DAPO's dynamic sampling (``dynamic_sampling``, arXiv 2503.14476) drops a group whose raw
+rewards are all equal (boba's 0/1 correctness: all wrong or all right): after group
+normalisation its advantages are all 0, so it only dilutes the batch. Such a group never
+counts in ``accepted`` (like a stale one, it frees capacity for a fresh group), so the
+staleness bound above holds for the groups that are trained on. One step looks at no
+more than ``dynamic_sampling_max_rounds`` x batch_size groups: whole batches of prompts
+in sync mode (rounds), landed groups in async mode; past that, the step trains on the
+useful groups it has (possibly none), with a warning.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
+import warnings
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -57,8 +67,14 @@ class RolloutConfig:
     # in_place requests wait out a sync: min_request_deadline_s must exceed a sync.
     slow_request_factor: float = 10.0
     min_request_deadline_s: float = 60.0
+    # DAPO dynamic sampling: drop groups whose raw rewards are all equal (all wrong or all
+    # right) and sample on until the batch holds trainer.batch_size mixed groups, looking
+    # at most dynamic_sampling_max_rounds x batch_size groups for one step.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 4
 
     def __post_init__(self):
+        check_positive("dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds)
         check_positive("slow_request_factor", self.slow_request_factor, allow_zero=True)
         check_positive("min_request_deadline_s", self.min_request_deadline_s)
         check_positive("n_samples", self.n_samples)
@@ -94,6 +110,13 @@ class RolloutBatch:
     stats: dict[str, float]
 
 
+def is_mixed(group: list[Sample]) -> bool:
+    """Whether a group's raw rewards (the reward function's, before bias, scaling,
+    penalties and normalisation) differ: DAPO keeps only these (boba's 0/1 reward: some
+    samples right and some wrong)."""
+    return len({s.reward for s in group}) > 1
+
+
 class PromptsExhausted(RuntimeError):
     """The prompt iterator ended before a full batch was ready."""
 
@@ -118,7 +141,10 @@ class RolloutController:
         self.accepted = 0  # groups ready or consumed
         self.consumed = 0
         self.dropped_stale = 0
+        self.dropped_uniform = 0  # groups dynamic sampling dropped (all rewards equal)
         self.max_running_seen = 0
+        # Async dynamic sampling: groups judged (kept or dropped) since the last batch.
+        self._seen, self._kept = 0, 0
         self._next_group = 0
         self._nonce = uuid.uuid4().hex[:8]  # rids stay unique across restarts
         self._reward_lock = asyncio.Lock()  # the reward pool serves one call at a time
@@ -155,9 +181,13 @@ class RolloutController:
         return samples
 
     # ---- synchronous mode --------------------------------------------------------------
-    async def rollout_batch(self, prompts: list[Prompt]) -> RolloutBatch:
+    async def rollout_batch(self, prompts: list[Prompt],
+                            more: Callable[[], list[Prompt]] | None = None) -> RolloutBatch:
         """All groups of ``prompts`` with the current weights, at most
-        ``max_concurrent_rollouts`` groups in flight."""
+        ``max_concurrent_rollouts`` groups in flight. With ``dynamic_sampling`` (and
+        ``more``, the next batch of prompts), groups with equal rewards are dropped and
+        further rounds of ``more()`` prompts sampled until ``len(prompts)`` mixed groups
+        are kept or ``dynamic_sampling_max_rounds`` rounds ran; the surplus is discarded."""
         gate = asyncio.Semaphore(self.cfg.max_concurrent_rollouts)
 
         async def bounded(p: Prompt) -> list[Sample]:
@@ -166,10 +196,27 @@ class RolloutController:
                 self._next_group += 1
                 return await self._group(gid, p, self.version)
 
-        groups = await asyncio.gather(*[bounded(p) for p in prompts])
-        self.consumed += len(groups)
-        self.accepted += len(groups)
-        return self._batch(groups)
+        async def sample(batch: list[Prompt]) -> list[list[Sample]]:
+            return list(await asyncio.gather(*[bounded(p) for p in batch]))
+
+        if not (self.cfg.dynamic_sampling and more is not None):
+            groups = await sample(prompts)
+            self.consumed += len(groups)
+            self.accepted += len(groups)
+            return self._batch(groups)
+        want, kept, seen, rounds, batch = len(prompts), [], 0, 0, prompts
+        while True:
+            groups = await sample(batch)
+            rounds, seen = rounds + 1, seen + len(groups)
+            kept += [g for g in groups if is_mixed(g)]
+            if len(kept) >= want or rounds >= self.cfg.dynamic_sampling_max_rounds:
+                break
+            batch = more()
+        self.dropped_uniform += seen - len(kept)
+        kept = kept[:want]
+        self.consumed += len(kept)
+        self.accepted += len(kept)
+        return self._batch(kept, dynamic=(len(kept), seen, float(rounds), want))
 
     # ---- async mode --------------------------------------------------------------------
     def capacity(self, batch_size: int) -> int:
@@ -213,6 +260,14 @@ class RolloutController:
             return
         if task.exception() is not None:
             self._error = task.exception()
+        elif self.cfg.dynamic_sampling:
+            self._seen += 1
+            if is_mixed(task.result()):
+                self._kept += 1
+                self.accepted += 1
+                self._ready.append(task.result())
+            else:  # never counted in accepted: frees capacity for a fresh group
+                self.dropped_uniform += 1
         else:
             self.accepted += 1
             self._ready.append(task.result())
@@ -228,11 +283,19 @@ class RolloutController:
                 self._ready.remove(group)
                 self.dropped_stale += 1
                 self.accepted -= 1  # frees capacity for a fresh group
-            if len(self._ready) >= batch_size:
-                groups = [self._ready.popleft() for _ in range(batch_size)]
-                self.consumed += batch_size
+            # Dynamic sampling judges at most max_rounds x batch_size landed groups for a
+            # batch; then it hands out what it has (possibly nothing, as sync mode may).
+            cut = self.cfg.dynamic_sampling and self._seen >= self.cfg.dynamic_sampling_max_rounds * batch_size
+            if len(self._ready) >= batch_size or cut:
+                n = min(batch_size, len(self._ready))
+                groups = [self._ready.popleft() for _ in range(n)]
+                self.consumed += n
                 self._changed.set()
-                return self._batch(groups)
+                dynamic = None
+                if self.cfg.dynamic_sampling:
+                    dynamic = (self._kept, self._seen, self._seen / batch_size, batch_size)
+                    self._seen = self._kept = 0
+                return self._batch(groups, dynamic=dynamic)
             if self._task is not None and self._task.done() and not self._groups:
                 raise PromptsExhausted(f"prompts ran out with {len(self._ready)} group(s) ready, "
                                        f"{batch_size} needed")
@@ -263,7 +326,7 @@ class RolloutController:
 
     def state_dict(self) -> dict:
         return {"version": self.version, "consumed": self.consumed, "next_group": self._next_group,
-                "dropped_stale": self.dropped_stale}
+                "dropped_stale": self.dropped_stale, "dropped_uniform": self.dropped_uniform}
 
     def load_state_dict(self, state: dict) -> None:
         # Groups in flight at checkpoint time died with the process: only consumed ones count.
@@ -271,9 +334,13 @@ class RolloutController:
         self.consumed = self.accepted = state["consumed"]
         self._next_group = state["next_group"]
         self.dropped_stale = state["dropped_stale"]
+        self.dropped_uniform = state.get("dropped_uniform", 0)  # absent in checkpoints before it
+        self._seen = self._kept = 0  # groups judged since the last batch died with the process
 
     # ---- batch + stats -----------------------------------------------------------------
-    def _batch(self, groups: list[list[Sample]]) -> RolloutBatch:
+    def _batch(self, groups: list[list[Sample]],
+               dynamic: tuple[int, int, float, int] | None = None) -> RolloutBatch:
+        """``dynamic``: (groups kept, groups sampled, rounds, groups wanted) of dynamic sampling."""
         samples = [s for g in groups for s in g]
         n = max(1, len(samples))
         lens = [len(s.output_ids) for s in samples] or [0]
@@ -296,4 +363,16 @@ class RolloutController:
             "rollout/dropped_stale": float(self.dropped_stale),
             "rollout/failovers": float(sum(s.failovers for s in samples)),
         }
+        if dynamic is not None:
+            kept, seen, rounds, want = dynamic
+            stats.update({"rollout/dynamic_kept_ratio": kept / max(1, seen),
+                          "rollout/dynamic_rounds": rounds, "rollout/dynamic_groups": float(len(groups)),
+                          "rollout/dropped_uniform": float(self.dropped_uniform)})
+            if len(groups) < want:
+                warnings.warn(
+                    f"dynamic sampling: only {len(groups)} of {want} groups had mixed rewards after "
+                    f"{seen} sampled (rollout.dynamic_sampling_max_rounds="
+                    f"{self.cfg.dynamic_sampling_max_rounds}); this step trains on {len(groups)} groups. "
+                    "Raise rollout.dynamic_sampling_max_rounds, or filter the prompts the model always or "
+                    "never solves (areal-mcore filter difficulty)", RuntimeWarning, stacklevel=2)
         return RolloutBatch(samples=samples, version=self.version, stats=stats)

@@ -2,12 +2,14 @@
 
 Legend: B sequences (prompt + response), T packed tokens.
 
-Per sequence: reward transform ((r + bias) * scaling, clipped), reward normalisation
+Per sequence: DAPO's overlong penalty p(|y|) added to the raw reward r (off by default),
+reward transform ((r + p + bias) * scaling, clipped), reward normalisation
 (boba: per group of n_samples), then GAE over the response tokens (boba: γ = λ = 1 and no
 critic, so every response token gets the sequence's normalised reward), then advantage
 normalisation over all response tokens of the batch on every data-parallel rank.
 Logprobs follow the actor's convention: position t holds log p(token t | tokens < t),
-so the response tokens are the loss tokens and prompt positions hold 0.
+so the response tokens are the loss tokens and prompt positions hold 0; with
+``ppo.mask_truncated_samples`` a truncated sample's (finish_reason length) are not.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from areal_mcore.algo import gae_packed, normalize, transform_reward
+from areal_mcore.algo import gae_packed, normalize, overlong_penalty, transform_reward
 from areal_mcore.algo.config import PPOConfig
 from areal_mcore.packing import PackedBatch, pack
 from areal_mcore.trainer.dispatch import RolloutShard
@@ -44,12 +46,19 @@ def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | Non
     seqs, fields = _per_sequence(shard)
     batch = pack(seqs, fields, pad_to_multiple_of=pad_to_multiple_of)
 
-    rewards_B = transform_reward(shard.rewards, bias=ppo.reward_bias, scaling=ppo.reward_scaling,
+    rewards_B = shard.rewards
+    if ppo.overlong_penalty is not None:
+        pen = ppo.overlong_penalty
+        rewards_B = rewards_B + overlong_penalty(shard.output_lens, max_new_tokens=pen.max_new_tokens,
+                                                 buffer_len=pen.buffer_len, penalty_factor=pen.penalty_factor)
+    rewards_B = transform_reward(rewards_B, bias=ppo.reward_bias, scaling=ppo.reward_scaling,
                                  clip=ppo.reward_clip)
     if ppo.reward_norm is not None:
         rewards_B = normalize(rewards_B, **dataclasses.asdict(ppo.reward_norm), group=dp_group)
     if shard.num_samples == 0:
         rewards_B = torch.zeros(1, device=shard.tokens.device)  # the placeholder's; no loss token carries it
+    if ppo.mask_truncated_samples and shard.num_samples:
+        batch.fields["loss_mask"] &= _per_token(batch, shard.truncated == 0)
     mask_T = batch.fields["loss_mask"]
     adv_T, _ = gae_packed(rewards_B, batch.cu_seqlens_padded, gamma=ppo.discount, lam=ppo.gae_lambda,
                           loss_mask_T=mask_T, kernel=ppo.gae_kernel)
@@ -57,6 +66,12 @@ def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | Non
         adv_T = normalize(adv_T, **dataclasses.asdict(ppo.adv_norm), mask=mask_T, group=dp_group)
     batch.fields["adv"] = adv_T
     return batch
+
+
+def _per_token(batch: PackedBatch, x_B: torch.Tensor) -> torch.Tensor:
+    """A per-sequence value on each of its packed tokens (padding included)."""
+    lens_B = batch.cu_seqlens_padded[1:] - batch.cu_seqlens_padded[:-1]
+    return torch.repeat_interleave(x_B.to(lens_B.device), lens_B, output_size=batch.input_ids.numel())
 
 
 def _per_sequence(shard: RolloutShard) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:

@@ -15,9 +15,10 @@ for a boba-sized batch).
 
 Wire format, per replica: a header int64[3] = (B, T, O), then one uint8 buffer laid out as
 prompt_lens int64[B] | output_lens int64[B] | tokens int32[T] | logprobs float32[O] |
-versions int32[O] | rewards float32[B]; every part starts 4-byte aligned (the int64 parts
-come first), so the receiver takes zero-copy dtype views. Buffers are sent from and
-received on the device the group's backend serves (``collectives``): the GPU under NCCL.
+versions int32[O] | rewards float32[B] | truncated int32[B]; every part starts 4-byte
+aligned (the int64 parts come first), so the receiver takes zero-copy dtype views.
+Buffers are sent from and received on the device the group's backend serves
+(``collectives``): the GPU under NCCL.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import torch.distributed as dist
 from areal_mcore import collectives
 
 _PARTS = (("prompt_lens", torch.int64, "B"), ("output_lens", torch.int64, "B"), ("tokens", torch.int32, "T"),
-          ("logprobs", torch.float32, "O"), ("versions", torch.int32, "O"), ("rewards", torch.float32, "B"))
+          ("logprobs", torch.float32, "O"), ("versions", torch.int32, "O"), ("rewards", torch.float32, "B"),
+          ("truncated", torch.int32, "B"))
 
 
 @dataclass
@@ -47,6 +49,7 @@ class RolloutShard:
     logprobs: torch.Tensor  # [O] float32: behaviour logprob of each response token
     versions: torch.Tensor  # [O] int32: weight version that produced each response token
     rewards: torch.Tensor  # [B] float32
+    truncated: torch.Tensor  # [B] int32: 1 where the server stopped at the length limit
 
     @property
     def num_samples(self) -> int:
@@ -67,7 +70,8 @@ class RolloutShard:
             return cls(prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.int64),
                        output_lens=torch.tensor([len(s.output_ids) for s in samples], dtype=torch.int64),
                        tokens=tokens, logprobs=logprobs, versions=versions,
-                       rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32))
+                       rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
+                       truncated=_truncated(samples))
         chain = itertools.chain.from_iterable
 
         def flat(lists, dtype, n):
@@ -81,7 +85,8 @@ class RolloutShard:
             tokens=flat((ids for s in samples for ids in (s.prompt_ids, s.output_ids)), np.int32, n_t),
             logprobs=flat((s.logprobs for s in samples), np.float32, n_o),
             versions=flat((s.versions for s in samples), np.int32, n_o),
-            rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32))
+            rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
+            truncated=_truncated(samples))
 
     def header(self) -> torch.Tensor:
         return torch.tensor([self.num_samples, self.tokens.numel(), self.logprobs.numel()], dtype=torch.int64)
@@ -103,6 +108,10 @@ class RolloutShard:
     def nbytes_of(header: torch.Tensor) -> int:
         sizes = dict(zip("BTO", header.tolist()))
         return sum(sizes[dim] * dtype.itemsize for _, dtype, dim in _PARTS)
+
+
+def _truncated(samples) -> torch.Tensor:
+    return torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.int32)
 
 
 class SamplePacker:

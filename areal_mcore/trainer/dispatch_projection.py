@@ -1,9 +1,9 @@
 """A cost model of one step's rollout dispatch (trainer/dispatch.py), to predict it at scale.
 
 One step moves S samples with N_T tokens (prompt + response) and N_O response tokens.
-Each element (token id, logprob, version) is 4 bytes, plus 20 bytes of lengths and reward
-per sample, so the batch is ``B = 4 N_T + 8 N_O + 20 S`` bytes over ``D`` replicas
-(D = trainer GPUs / (tp x pp)); every replica has ``tp x pp = M`` ranks::
+Each element (token id, logprob, version) is 4 bytes, plus 24 bytes of lengths, reward and
+truncated flag per sample, so the batch is ``B = 4 N_T + 8 N_O + 24 S`` bytes over ``D``
+replicas (D = trainer GPUs / (tp x pp)); every replica has ``tp x pp = M`` ranks::
 
     pack    = E * t_elem                 E = N_T + 2 N_O elements, Python lists -> arrays
               (or 2 B / copy_bw when samples hold arrays from arrival: one copy to
@@ -50,7 +50,7 @@ class BatchShape:
 
     @property
     def wire_bytes(self) -> int:
-        return 4 * self.tokens + 8 * self.response_tokens + 20 * self.samples
+        return 4 * self.tokens + 8 * self.response_tokens + 24 * self.samples
 
 
 def predict_dispatch_s(shape: BatchShape, *, replicas: int, mp_size: int, t_elem_s: float,

@@ -89,8 +89,9 @@ class RolloutSide:
         if self.cfg.trainer.mode == "async":
             out = self.loop.run(self.controller.prepare_batch(self.cfg.trainer.batch_size))
         else:
-            batch = [self.prompts[i] for i in self.sampler.next_batch()]
-            out = self.loop.run(self.controller.rollout_batch(batch))
+            def next_prompts():  # also dynamic sampling's further rounds: the sampler's state moves on
+                return [self.prompts[i] for i in self.sampler.next_batch()]
+            out = self.loop.run(self.controller.rollout_batch(next_prompts(), more=next_prompts))
         now, before = dataclasses.replace(self.reward_counts), self._counted  # ints: a plain copy
         self._counted = now
         out.stats.update({"reward/errors": float(now.errors - before.errors),

@@ -159,6 +159,8 @@ class RunLogger:
         line = (f"[ppo] step {r['step']}/{self.cfg.total_steps} reward {r['rollout/reward_mean']:.3f} "
                 f"acc {r['rollout/accuracy']:.3f} len {r['rollout/response_len_mean']:.1f} "
                 f"loss {_scalar(r['train/loss']):+.4f} stale {r['rollout/staleness_mean']:.2f} "
+                + (f"kept {r['rollout/dynamic_kept_ratio']:.2f} ({r['rollout/dynamic_groups']:.0f} groups) "
+                   if "rollout/dynamic_kept_ratio" in r else "")  # rollout.dynamic_sampling
                 + (f"sync {r['sync/time_s']:.2f}s " if "sync/time_s" in r else "sync skipped (stopping) ")
                 + f"step {r['time/step_s']:.1f}s")
         self.print(line)

@@ -1,0 +1,281 @@
+"""DAPO's options (arXiv 2503.14476): dynamic sampling in the rollout controller (sync and
+async, against a fake client), the soft overlong penalty and overlong filtering in the
+training batch, their config checks; and a tiny sync and async PPO run with dynamic
+sampling on an SFT-warmed model, checked from the rollout dump."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_mcore.algo import overlong_penalty
+from areal_mcore.algo.config import NormConfig, OverlongPenaltyConfig, PPOConfig
+from areal_mcore.checks import FieldError
+from areal_mcore.config import load_config
+from areal_mcore.data.prompts import Prompt
+from areal_mcore.packing import unpack
+from areal_mcore.rollout.client import Completion
+from areal_mcore.rollout.controller import RolloutConfig, RolloutController, Sample, is_mixed
+from areal_mcore.trainer.batch import to_train_batch
+
+REPO = Path(__file__).parents[1]
+ALL_WRONG, ALL_RIGHT, MIXED = 0, 1, 2
+
+
+class _FakeClient:
+    """Completes every request at once: output [kind of the prompt, sample index]."""
+
+    async def generate(self, input_ids, sampling, rid, group):
+        j = int(rid.split("s")[1].split("-")[0])
+        return Completion(rid=rid, input_ids=input_ids, output_ids=[input_ids[0], j], logprobs=[-0.5, -0.5],
+                          versions=["0", "0"], finish_reason={"type": "stop"})
+
+
+async def _reward(texts, solutions):
+    """ALL_WRONG prompts score 0, ALL_RIGHT 1, MIXED 1 on even sample indices."""
+    out = []
+    for t in texts:
+        kind, j = map(int, t.split(","))
+        out.append(float(kind == ALL_RIGHT or (kind == MIXED and j % 2 == 0)))
+    return out
+
+
+def _controller(**cfg):
+    cfg = RolloutConfig(max_new_tokens=8, n_samples=4, dynamic_sampling=True, **cfg)
+    return RolloutController(cfg, _FakeClient(), _reward, decode=lambda ids: f"{ids[0]},{ids[1]}")
+
+
+def _prompts(kinds):
+    return [Prompt(input_ids=[k, 7], solutions=("1",), source="t") for k in kinds]
+
+
+def test_is_mixed_true_only_when_raw_rewards_differ():
+    def group(*rewards):
+        return [Sample(group=0, prompt_ids=[1], output_ids=[2], logprobs=[0.0], versions=[0], reward=r,
+                       finish_reason="stop", start_version=0) for r in rewards]
+    assert is_mixed(group(0.0, 1.0, 0.0)) and is_mixed(group(1.0, 0.0))
+    assert not is_mixed(group(0.0, 0.0, 0.0)) and not is_mixed(group(1.0, 1.0)) and not is_mixed(group(1.0))
+
+
+def test_sync_dynamic_sampling_samples_rounds_until_the_batch_holds_only_mixed_groups():
+    # Round 1: one mixed group of 3; round 2 (more()): two more, one of them surplus.
+    rounds = iter([_prompts([MIXED, MIXED, ALL_WRONG])])
+    ctrl = _controller()
+    batch = asyncio.run(ctrl.rollout_batch(_prompts([ALL_WRONG, MIXED, ALL_RIGHT]), more=lambda: next(rounds)))
+    groups = {}
+    for s in batch.samples:
+        groups.setdefault(s.group, []).append(s.reward)
+    assert list(groups) == [1, 3, 4]  # kept in sampling order; group 5 (all wrong) dropped
+    assert all(0.0 < sum(r) < len(r) for r in groups.values())
+    st = batch.stats
+    assert st["rollout/dynamic_kept_ratio"] == 3 / 6 and st["rollout/dynamic_rounds"] == 2
+    assert st["rollout/dynamic_groups"] == 3 and st["rollout/n_samples"] == 12
+    # Only trained groups count as consumed/accepted; the state restores exactly.
+    assert ctrl.consumed == ctrl.accepted == 3 and ctrl.dropped_uniform == 3
+    state = ctrl.state_dict()
+    assert state == {"version": 0, "consumed": 3, "next_group": 6, "dropped_stale": 0, "dropped_uniform": 3}
+    again = _controller()
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+
+
+def test_sync_dynamic_sampling_bound_cuts_the_batch_short_with_a_warning():
+    ctrl = _controller(dynamic_sampling_max_rounds=2)
+    with pytest.warns(RuntimeWarning, match=r"only 1 of 2 groups.*dynamic_sampling_max_rounds=2"):
+        batch = asyncio.run(ctrl.rollout_batch(_prompts([ALL_WRONG, ALL_RIGHT]),
+                                               more=lambda: _prompts([MIXED, ALL_RIGHT])))
+    assert {s.group for s in batch.samples} == {2} and batch.stats["rollout/dynamic_rounds"] == 2
+    assert batch.stats["rollout/dynamic_kept_ratio"] == 1 / 4
+
+
+def test_sync_without_more_or_option_keeps_every_group():
+    # Evaluation calls rollout_batch without more(): never filtered.
+    batch = asyncio.run(_controller().rollout_batch(_prompts([ALL_WRONG, ALL_RIGHT])))
+    assert len(batch.samples) == 8 and "rollout/dynamic_kept_ratio" not in batch.stats
+
+
+def test_async_dynamic_sampling_dropped_groups_free_capacity_and_never_count_as_accepted():
+    bs, ofp = 2, 1
+    ctrl = _controller(max_head_offpolicyness=ofp, max_concurrent_rollouts=64)
+    kinds = [ALL_WRONG, MIXED, ALL_RIGHT] * 100  # one mixed group in three
+
+    async def run():
+        ctrl.start(iter(_prompts(kinds)), bs)
+        out = []
+        for step in range(3):
+            out.append(await asyncio.wait_for(ctrl.prepare_batch(bs), 10))  # a miscount stalls admission
+            # The staleness bound counts only trained-or-ready groups.
+            assert ctrl.accepted + ctrl.running <= (ofp + ctrl.version + 1) * bs
+            ctrl.set_version(step + 1)
+        await ctrl.stop()
+        return out
+
+    batches = asyncio.run(run())
+    for b in batches:
+        by_group = {}
+        for s in b.samples:
+            by_group.setdefault(s.group, []).append(s.reward)
+        assert len(by_group) == bs and all(0 < sum(r) < len(r) for r in by_group.values())
+        assert 0 < b.stats["rollout/dynamic_kept_ratio"] < 1
+    assert ctrl.consumed == 3 * bs and ctrl.dropped_uniform > 0
+    assert ctrl.accepted == ctrl.consumed + len(ctrl._ready)  # dropped groups never in accepted
+
+
+def test_async_dynamic_sampling_bound_hands_out_a_short_batch_with_a_warning():
+    # Staleness 0: 4 groups in flight at a time, so the first 4 land before more start.
+    ctrl = _controller(dynamic_sampling_max_rounds=1, max_head_offpolicyness=0)
+
+    async def run():
+        ctrl.start(iter(_prompts([ALL_WRONG, MIXED, ALL_RIGHT, ALL_RIGHT] * 10)), 4)
+        batch = await asyncio.wait_for(ctrl.prepare_batch(4), 10)
+        await ctrl.stop()
+        return batch
+
+    with pytest.warns(RuntimeWarning, match="only 1 of 4 groups"):
+        batch = asyncio.run(run())
+    assert {s.group for s in batch.samples} == {1} and batch.stats["rollout/dynamic_rounds"] == 1.0
+
+
+def test_overlong_penalty_is_zero_then_linear_to_minus_factor_at_the_limit():
+    lens = torch.tensor([0, 12, 13, 14, 16, 20])
+    got = overlong_penalty(lens, max_new_tokens=16, buffer_len=4, penalty_factor=2.0)
+    # DAPO eq. 13, written out: 0 up to L_max - L_cache = 12, then (12 - |y|) / 4, -1 past L_max.
+    want = [0.0 if n <= 12 else (12 - n) / 4 if n <= 16 else -1.0 for n in lens.tolist()]
+    assert got.tolist() == pytest.approx([2.0 * w for w in want])
+
+
+def _sample(group, reward, n_out, finish):
+    return Sample(group=group, prompt_ids=[5, 6, 7], output_ids=list(range(1, n_out + 1)),
+                  logprobs=[-0.3] * n_out, versions=[0] * n_out, reward=reward, finish_reason=finish,
+                  start_version=0)
+
+
+def test_overlong_penalty_is_added_to_the_raw_reward_before_bias_and_scaling():
+    samples = [_sample(0, 1.0, 8, "length"), _sample(0, 0.0, 6, "stop"), _sample(0, 1.0, 2, "stop")]
+    ppo = PPOConfig(reward_bias=-0.5, reward_scaling=10.0,
+                    overlong_penalty=OverlongPenaltyConfig(buffer_len=4, penalty_factor=1.0, max_new_tokens=8))
+    _, f = unpack(to_train_batch(samples, ppo))
+    adv = [float(a[m.bool()][0]) for a, m in zip(f["adv"], f["loss_mask"])]
+    # No normalisation: every response token's advantage is the shaped reward.
+    assert adv == pytest.approx([(1 - 1.0 - 0.5) * 10, (0 - 0.5 - 0.5) * 10, (1 - 0.5) * 10])
+
+
+def test_mask_truncated_samples_removes_their_tokens_from_loss_and_adv_norm():
+    samples = [_sample(0, 1.0, 8, "length"), _sample(0, 0.0, 3, "stop"), _sample(1, 1.0, 5, "stop")]
+    ppo = PPOConfig(mask_truncated_samples=True, adv_norm=NormConfig(mean_level="batch", std_level="batch"))
+    batch = to_train_batch(samples, ppo, pad_to_multiple_of=4)
+    _, f = unpack(batch)
+    assert [int(m.sum()) for m in f["loss_mask"]] == [0, 3, 5]
+    assert int(batch.fields["loss_mask"].sum()) == 8  # the loss normaliser counts these
+    kept = batch.fields["adv"][batch.fields["loss_mask"]]
+    assert float(kept.mean()) == pytest.approx(0.0, abs=1e-6)  # normalised over kept tokens only
+    off = to_train_batch(samples, PPOConfig())
+    assert int(off.fields["loss_mask"].sum()) == 16  # default: truncated samples train
+
+
+def test_dapo_config_keys_are_off_by_default_and_validated_naming_the_key():
+    cfg = load_config(REPO / "configs" / "boba_1.5b.yaml")
+    assert not cfg.rollout.dynamic_sampling and cfg.ppo.overlong_penalty is None
+    assert not cfg.ppo.mask_truncated_samples
+    with pytest.raises(ValueError, match=r"rollout\.dynamic_sampling_max_rounds=0 must be > 0"):
+        load_config(REPO / "configs" / "boba_1.5b.yaml", ["rollout.dynamic_sampling_max_rounds=0"])
+    filled = load_config(REPO / "configs" / "boba_1.5b.yaml", ["ppo.overlong_penalty.buffer_len=512"])
+    assert filled.ppo.overlong_penalty.max_new_tokens == filled.rollout.max_new_tokens
+    with pytest.raises(ValueError, match=r"ppo\.overlong_penalty\.max_new_tokens=9 does not match"):
+        load_config(REPO / "configs" / "boba_1.5b.yaml",
+                    ["ppo.overlong_penalty.buffer_len=4", "ppo.overlong_penalty.max_new_tokens=9"])
+    with pytest.raises(ValueError, match=r"^ppo\.overlong_penalty\.buffer_len=100000 must be <= max_new_tokens="):
+        load_config(REPO / "configs" / "boba_1.5b.yaml", ["ppo.overlong_penalty.buffer_len=100000"])
+    with pytest.raises(FieldError, match="buffer_len=9 must be <= max_new_tokens=8"):
+        OverlongPenaltyConfig(buffer_len=9, max_new_tokens=8)
+
+
+# ---- tiny end-to-end runs ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sft_assets(tmp_path_factory):
+    """Tiny assets and a 40-step SFT model (~30 s): it solves some one-digit additions, so
+    groups of 4 samples are often mixed, and often not (a random model never is)."""
+    from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+
+    tmp = tmp_path_factory.mktemp("dapo")
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp / "assets"), n_train=512, n_test=8))
+    config = tmp / "sft.yaml"
+    config.write_text(f"""experiment_name: sft
+model_path: {tmp / 'sft_model'}
+actor: {{vocab_divisible_by: 8, mb_spec: {{max_tokens_per_mb: 2048}}}}
+dataset: {{path: {assets['train']}}}
+trainer: {{total_steps: 1, batch_size: 4, log_dir: {tmp / 'runs'}, progress: false}}
+sft: {{base_model: {assets['model']}, output_dir: {tmp / 'sft_model'}, steps: 40, batch_size: 32}}
+""")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "areal_mcore.cli", "sft", "--config", str(config),
+                           "actor.optimizer.lr=3e-3"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {**assets, "model": str(tmp / "sft_model")}
+
+
+def _ppo_worker(rank, world, overrides):
+    from areal_mcore.trainer.ppo import train
+
+    return train(load_config(None, overrides))
+
+
+def _dapo_run(assets, tmp_path, name, *extra):
+    from _dist import run_gloo
+
+    overrides = [
+        f"experiment_name={name}", f"model_path={assets['model']}", f"dataset.path={assets['train']}",
+        "actor.vocab_divisible_by=8", "actor.mb_spec.max_tokens_per_mb=512", "actor.optimizer.lr=1e-4",
+        "server.model_path=${model_path}", "server.dtype=float32", "server.context_length=256",
+        "weight_sync.dtype=float32", "weight_sync.master_address=127.0.0.1", "reward.num_workers=1",
+        "rollout.max_new_tokens=16", "rollout.n_samples=4", "rollout.dynamic_sampling=true",
+        "rollout.dynamic_sampling_max_rounds=12", "ppo.reward_bias=-0.5", "ppo.reward_scaling=10.0",
+        "ppo.reward_norm.mean_level=group", "ppo.reward_norm.std_level=group",
+        "ppo.overlong_penalty.buffer_len=4", "ppo.mask_truncated_samples=true",
+        "trainer.batch_size=4", "trainer.total_steps=3", "trainer.dump_to_file=true",
+        f"trainer.log_dir={tmp_path / 'runs'}", "trainer.progress=false", *extra]
+    (rows,) = run_gloo(_ppo_worker, 1, overrides)
+    return rows, tmp_path / "runs" / name
+
+
+def _check_dapo_run(rows, run_dir, steps=3):
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert r["rollout/dynamic_rounds"] >= 1 and math.isfinite(r["train/loss"][0])
+        assert r["rollout/n_samples"] == 4 * r["rollout/dynamic_groups"]
+    assert min(r["rollout/dynamic_kept_ratio"] for r in rows) < 1.0  # some groups were dropped
+    assert rows[-1]["rollout/dropped_uniform"] > 0
+    for step in range(1, steps + 1):
+        dumped = [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+        groups = {}
+        for d in dumped:
+            groups.setdefault(d["group"], []).append(d["reward"])
+        assert groups and all(len(set(g)) > 1 for g in groups.values()), (step, groups)  # only mixed
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_sync_dynamic_sampling_run_trains_only_mixed_groups(sft_assets, tmp_path):
+    rows, run_dir = _dapo_run(sft_assets, tmp_path, "dapo_sync")
+    _check_dapo_run(rows, run_dir)
+    # Every step is full (the bound of 12 rounds is generous: 2-6 were needed) and versions are current.
+    assert all(r["rollout/dynamic_groups"] == 4 for r in rows)
+    assert all(r["rollout/staleness_max"] == 0 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_async_dynamic_sampling_run_trains_only_mixed_groups_within_staleness(sft_assets, tmp_path):
+    rows, run_dir = _dapo_run(sft_assets, tmp_path, "dapo_async", "trainer.mode=async",
+                              "rollout.max_head_offpolicyness=1", "ppo.use_decoupled_loss=true")
+    _check_dapo_run(rows, run_dir)
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert all(r["sync/server_versions"] == [str(r["step"])] for r in rows)
