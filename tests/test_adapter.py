@@ -164,15 +164,15 @@ def test_model_args_read_qwen2_fields():
     assert padded_vocab_size(151936, 4) == 152064
 
 
-def _te_spec_worker(rank, world):
+def _te_spec_worker(rank, world, arch):
     from _te_standin import te_spec_on_cpu
-    from _tiny_model import tiny_qwen2
+    from _tiny_model import tiny_model
 
     from areal_mcore.actor.config import ParallelConfig
     from areal_mcore.actor.parallel import init_parallel
     from areal_mcore.model.hf_config import build_gpt_model, transformer_config
 
-    hf_config, state, hf = tiny_qwen2(vocab=250)
+    hf_config, state, hf = tiny_model(arch, vocab=250)
     args = ModelArgs.from_hf(hf_config)
     init_parallel(ParallelConfig(), seed=1)
     config = transformer_config(args, tp_size=1, pp_size=1, params_dtype=torch.float32)
@@ -192,20 +192,24 @@ def _te_spec_worker(rank, world):
             float((got - want).abs().max()))
 
 
-def test_the_te_specs_fused_norm_weights_load_from_hf_and_export_back():
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_the_te_specs_fused_norm_weights_load_from_hf_and_export_back(arch):
     """TransformerEngine's spec names the layer norms after the linear they are fused into
-    (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``). Built here from
-    megatron's own TE spec with CPU stand-ins of TE's modules (tests/_te_standin.py): HF
-    weights load into it, export back bitwise and give transformers' logits."""
+    (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); Qwen3's q/k norms
+    stay modules of their own. Built here from megatron's own TE spec with CPU stand-ins of
+    TE's modules (tests/_te_standin.py): HF weights load into it, export back bitwise and
+    give transformers' logits."""
     from _dist import run_gloo
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     # megatron's own map between the two specs' names (its checkpoints use it) is ours
     local = get_gpt_layer_local_spec(normalization="RMSNorm")
     assert local.submodules.sharded_state_dict_keys_map == adapter.TE_FUSED_NORMS
-    names, exported, err = run_gloo(_te_spec_worker, 1)[0]
+    names, exported, err = run_gloo(_te_spec_worker, 1, arch)[0]
     assert {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
             "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"} <= set(names)
     assert not [n for n in names if "input_layernorm" in n or "pre_mlp_layernorm" in n]
+    qk = {"decoder.layers.0.self_attention.q_layernorm.weight", "decoder.layers.0.self_attention.k_layernorm.weight"}
+    assert (qk <= set(names)) == (arch == "qwen3")
     assert all(exported.values()), [k for k, ok in exported.items() if not ok]
     assert err <= 1e-4, err
