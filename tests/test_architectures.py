@@ -103,3 +103,60 @@ def test_train_step_at_tp2_equals_pp2(run, arch):
     rel = {k: float((tp2[k] - v).abs().max() / v.abs().max()) for k, v in pp2.items()}
     worst = max(rel, key=rel.get)
     assert rel[worst] <= 1e-4, f"{worst}: relative difference {rel[worst]:.2e}"
+
+
+# --------------------------------------------------------------------------- weight sync
+
+PROMPT = [3, 14, 15, 92, 65]
+
+
+def _sync_worker(rank, world, address):
+    import asyncio
+
+    from _actor_setup import tiny_actor
+    from _rollout import http
+
+    from areal_mcore.weight_sync import weight_syncer
+    from areal_mcore.weight_sync.config import WeightSyncConfig
+
+    actor = tiny_actor(tp=2, arch="qwen3", shape=SHAPE)  # seed 0; the server holds seed 21
+    cfg = WeightSyncConfig(bucket_mb=0.02, dtype="float32", flatten=True, master_address="127.0.0.1",
+                           timeout_s=60, mode="distributed")
+    syncer = weight_syncer(cfg, actor, [address])
+
+    async def go():
+        await syncer.connect()
+        await syncer.push(7)
+        await syncer.close()
+    asyncio.run(go())
+    hf = actor.hf_state_dict()
+    box = [None]
+    if rank == 0:
+        box[0] = http(address, "POST", "/generate", {
+            "input_ids": PROMPT, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}})[1]
+    torch.distributed.broadcast_object_list(box, src=0)
+    seq = torch.tensor(PROMPT + box[0]["output_ids"])
+    logp = actor.compute_logprobs(pack([seq]))[len(PROMPT):]
+    server_logp = torch.tensor([lp for lp, _, _ in box[0]["meta_info"]["output_token_logprobs"]])
+    return hf if rank == 0 else {}, logp, server_logp
+
+
+@pytest.mark.server
+@pytest.mark.slow  # 132 s on the 2 shared cores (server start, 2 ranks, one push)
+def test_weight_sync_of_a_tp2_qwen3_actor_reaches_the_embedded_server(tmp_path):
+    """make_plan names the q/k norms by the adapter; the server (transformers) loads them."""
+    from _rollout import embedded_servers, http, tiny_hf_dir
+
+    with embedded_servers(tiny_hf_dir(str(tmp_path), seed=21, arch="qwen3", vocab=VOCAB, **SHAPE),
+                          str(tmp_path / "logs")) as (server,):
+        results = run_gloo(_sync_worker, 2, server.address)
+        hf = results[0][0]
+        for name in ("model.layers.0.self_attn.q_norm.weight", "model.layers.3.self_attn.k_norm.weight",
+                     "model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"):
+            status, rows = http(server.address, "POST", "/get_weights_by_name",
+                                {"name": name, "truncate_size": hf[name].shape[0]})
+            assert status == 200 and torch.equal(torch.tensor(rows, dtype=torch.float32), hf[name]), name
+        assert http(server.address, "GET", "/model_info")[1]["weight_version"] == "7"
+    for _, logp, server_logp in results:
+        torch.testing.assert_close(server_logp, logp, atol=1e-5, rtol=0)
