@@ -18,8 +18,6 @@ from _tiny_model import tiny_model
 
 from areal_mcore.packing import pack
 
-pytestmark = pytest.mark.multirank
-
 LENGTHS = [100, 7, 37]  # packed into one micro-batch
 SHAPE = {"qk_gain": 8.0}
 
@@ -77,6 +75,7 @@ ARCH_LAYOUTS = pytest.mark.parametrize("arch, tp, pp", [(a, tp, pp) for a in ("q
                                                         for tp, pp in ((2, 1), (1, 2))])
 
 
+@pytest.mark.multirank
 @ARCH_LAYOUTS
 def test_hf_weights_round_trip_through_megatron_bitwise(run, arch, tp, pp):
     _, state, _ = tiny_model(arch, vocab=VOCAB, **SHAPE)
@@ -85,6 +84,7 @@ def test_hf_weights_round_trip_through_megatron_bitwise(run, arch, tp, pp):
     assert not [k for k, v in state.items() if not torch.equal(back[k], v)]
 
 
+@pytest.mark.multirank
 @ARCH_LAYOUTS
 def test_packed_logprobs_equal_transformers_per_sequence(run, arch, tp, pp):
     want = _hf_logprobs(arch)
@@ -92,6 +92,7 @@ def test_packed_logprobs_equal_transformers_per_sequence(run, arch, tp, pp):
         assert (logp - want).abs().max() <= 1e-4
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("arch", ["qwen3", "llama3"])
 def test_train_step_at_tp2_equals_pp2(run, arch):
     tp2, pp2 = _merged(run(arch, 2, 1), 2), _merged(run(arch, 1, 2), 2)
@@ -143,6 +144,7 @@ def _sync_worker(rank, world, address):
 
 
 @pytest.mark.server
+@pytest.mark.multirank
 @pytest.mark.slow  # 132 s on the 2 shared cores (server start, 2 ranks, one push)
 def test_weight_sync_of_a_tp2_qwen3_actor_reaches_the_embedded_server(tmp_path):
     """make_plan names the q/k norms by the adapter; the server (transformers) loads them."""
@@ -160,3 +162,49 @@ def test_weight_sync_of_a_tp2_qwen3_actor_reaches_the_embedded_server(tmp_path):
         assert http(server.address, "GET", "/model_info")[1]["weight_version"] == "7"
     for _, logp, server_logp in results:
         torch.testing.assert_close(server_logp, logp, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def _convert(*args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "areal_mcore.cli", "convert", *args],
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow  # 243 s on the 2 shared cores (llama3 took 223 s too: it adds no weight names)
+@pytest.mark.parametrize("arch", ["qwen3"])
+def test_convert_hf_to_tp2_and_back_is_bitwise_and_verifies(arch, tmp_path):
+    from areal_mcore.convert.tools import load_hf_state_dict
+
+    _, state, model = tiny_model(arch, vocab=VOCAB, **SHAPE)
+    model.save_pretrained(tmp_path / "hf")
+    for args in (("hf-to-mcore", "--input", tmp_path / "hf", "--output", tmp_path / "ckpt", "--tp", "2"),
+                 ("mcore-to-hf", "--input", tmp_path / "ckpt", "--output", tmp_path / "out", "--no-progress",
+                  "--verify")):
+        proc = _convert(*map(str, args))
+        assert proc.returncode == 0, proc.stderr
+    back = load_hf_state_dict(tmp_path / "out")
+    assert set(back) == set(state) and all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_convert_refuses_a_yarn_config_in_one_line_with_exit_2(tmp_path):
+    import json
+
+    _, _, model = tiny_model("llama3", vocab=VOCAB)
+    model.save_pretrained(tmp_path / "hf")
+    data = json.loads((tmp_path / "hf" / "config.json").read_text())
+    data["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 8192}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(data))
+    proc = _convert("hf-to-mcore", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"))
+    assert proc.returncode == 2
+    # transformers warns about the yarn config on its own lines; the refusal is one line.
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("areal-mcore")]
+    assert len(lines) == 1 and lines[0].startswith("areal-mcore convert: error: rope_scaling.rope_type='yarn' "
+                                                   "is not supported; use one of ['default', 'llama3']"), proc.stderr
+    assert not (tmp_path / "ckpt").exists()
