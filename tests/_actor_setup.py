@@ -1,7 +1,7 @@
 """A tiny actor and its training data, shared by the actor and checkpoint tests."""
 
 import torch
-from _tiny_model import tiny_qwen2
+from _tiny_model import tiny_model
 
 from areal_mcore.actor.config import ActorConfig, MicroBatchSpec, OptimizerConfig, ParallelConfig
 from areal_mcore.algo import ppo_actor_loss
@@ -31,10 +31,11 @@ def ppo_loss(logp, mb, tokens, seqs):
 
 
 def tiny_actor(tp=1, pp=1, cap=4096, tie=False, recompute=False, sp="auto", layers=4,
-               first_stage_layers=None, shape=None):
+               first_stage_layers=None, shape=None, arch="qwen2"):
+    """A MegatronActor loaded with ``tiny_model(arch)``'s weights (``shape``: its keywords)."""
     from areal_mcore.actor.megatron_actor import MegatronActor
 
-    hf_config, state, _ = tiny_qwen2(tie=tie, vocab=VOCAB, layers=layers, **(shape or {}))
+    hf_config, state, _ = tiny_model(arch, tie=tie, vocab=VOCAB, layers=layers, **(shape or {}))
     cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=cap),
                       optimizer=OptimizerConfig(lr=1e-3, eps=1e-5, weight_decay=0.01),  # boba eps
                       parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp,

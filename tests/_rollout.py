@@ -6,18 +6,19 @@ import contextlib
 import os
 
 from _tiers import needs
-from _tiny_model import tiny_qwen2
+from _tiny_model import tiny_model
 
 EOS = 7
 
 
-def tiny_hf_dir(root: str, seed: int = 0, **shape) -> str:
-    """A seeded random Qwen2 saved as an HF directory (eos id ``EOS``); ``shape`` are
-    ``tiny_qwen2``'s keywords (``VLLM_SHAPE`` for what vLLM's CPU attention serves)."""
+def tiny_hf_dir(root: str, seed: int = 0, arch: str = "qwen2", **shape) -> str:
+    """A seeded random model (Qwen2 unless ``arch`` says otherwise) saved as an HF directory
+    (eos id ``EOS``); ``shape`` are ``tiny_model``'s keywords (``VLLM_SHAPE`` for what
+    vLLM's CPU attention serves)."""
     tag = "".join(f"_{k}{v}" for k, v in sorted(shape.items()))
-    path = os.path.join(root, f"tiny_hf_{seed}{tag}")
+    path = os.path.join(root, f"tiny_hf_{seed}{tag}" if arch == "qwen2" else f"tiny_{arch}_{seed}{tag}")
     if not os.path.exists(os.path.join(path, "config.json")):
-        _, _, model = tiny_qwen2(seed, **shape)
+        _, _, model = tiny_model(arch, seed, **shape)
         model.config.eos_token_id = EOS
         model.generation_config.eos_token_id = EOS
         model.save_pretrained(path)

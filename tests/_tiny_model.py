@@ -1,32 +1,65 @@
-"""A tiny random Qwen2 built with transformers (no downloads), for actor tests."""
+"""Tiny random HF causal LMs built with transformers (no downloads), for the model tests.
+
+``tiny_model(arch)`` builds each architecture the model layer supports: ``qwen2`` (the
+boba models; ``tiny_qwen2`` is it), ``qwen3`` (per-head q/k norms, a ``head_dim`` other
+than hidden/heads) and ``llama3`` (LLaMA with Llama 3.1's RoPE scaling).
+"""
 
 from __future__ import annotations
 
 import torch
 
+# Llama 3.1's rope_scaling, at a rope_theta under which it moves some frequencies of a
+# head_dim-16 model within 100 positions (Llama 3's own theta, 500000).
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+ARCHS = ("qwen2", "qwen3", "llama3")
 
-def tiny_qwen2(seed: int = 0, *, tie: bool = False, layers: int = 4, vocab: int = 250,
+
+def _config(arch: str, rope_parameters: dict | None, **common):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if arch == "qwen2":
+        return Qwen2Config(**common, rope_theta=10000.0, use_sliding_window=False)
+    if arch == "qwen3":  # head_dim 24 != hidden 64 / 4 heads: megatron's kv_channels
+        return Qwen3Config(**common, head_dim=24, rope_theta=10000.0, use_sliding_window=False)
+    if arch == "llama3":  # Llama 3.1's max_position_embeddings (transformers warns below 8192)
+        return LlamaConfig(**{**common, "max_position_embeddings": 131072},
+                           rope_parameters=dict(rope_parameters or LLAMA3_ROPE))
+    raise ValueError(f"arch={arch!r}: one of {list(ARCHS)}")
+
+
+def tiny_model(arch: str = "qwen2", seed: int = 0, *, tie: bool = False, layers: int = 4, vocab: int = 250,
                hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 96,
-               positions: int = 256):
-    """(hf_config, state_dict, model) of a seeded random Qwen2 in fp32, eval mode.
+               positions: int = 256, rope_parameters: dict | None = None, qk_gain: float = 1.0):
+    """(hf_config, state_dict, model) of a seeded random model of ``arch`` in fp32, eval mode.
 
-    The default head_dim is 16; vLLM's CPU attention needs 32 or more (``VLLM_SHAPE``)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    ``rope_parameters`` overrides llama3's RoPE settings. ``qk_gain`` scales the q/k
+    projections: at HF's init (std 0.02) attention is near uniform and hardly sees positions,
+    so a wrong RoPE would change logprobs by only ~1e-4; a gain of 8 makes it ~1e-2.
+    The default head_dim is 16 (24 for qwen3); vLLM's CPU attention needs 32 or more
+    (``VLLM_SHAPE``)."""
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=positions,
-        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=tie, use_sliding_window=False,
-        attn_implementation="eager",
-    )
+    config = _config(arch, rope_parameters, vocab_size=vocab, hidden_size=hidden,
+                     intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads, max_position_embeddings=positions, rms_norm_eps=1e-6,
+                     tie_word_embeddings=tie, attn_implementation="eager")
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).float().eval()
-    with torch.no_grad():  # HF zero-inits biases; random ones test the qkv bias mapping
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # HF inits biases to 0 and norms to 1; random ones test their mapping
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if qk_gain != 1.0 and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(qk_gain)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return config, state, model
+
+
+def tiny_qwen2(seed: int = 0, **shape):
+    """``tiny_model("qwen2", ...)``: the tiny model of the actor, rollout and PPO tests."""
+    return tiny_model("qwen2", seed, **shape)
 
 
 # head_dim 32: served by vLLM's CPU attention (head_dim 16 is refused)

@@ -1,4 +1,4 @@
-"""HF <-> megatron state-dict adapter for Qwen2 / LLaMA, declared as data.
+"""HF <-> megatron state-dict adapter for Qwen2 / Qwen3 / LLaMA, declared as data.
 
 ``PARAMS`` lists every weight once: its megatron name, its HF name(s) and a *kind*
 that says how the tensors are fused and how they are split over tensor-parallel ranks.
@@ -7,7 +7,8 @@ shards of all TP ranks of a stage and returns HF tensors. Layer indices: ``{i}``
 global HF layer, ``{l}`` the stage-local megatron layer.
 
 Kinds (the only place that knows layouts):
-- ``replicated``: the same tensor on every TP rank (norms).
+- ``replicated``: the same tensor on every TP rank (norms, including Qwen3's per-head q/k
+  norms of ``head_dim`` weights, which every head shares).
 - ``column`` / ``row``: split along dim 0 / dim 1.
 - ``vocab``: rows padded to the padded vocab, then split along dim 0.
 - ``qkv``: q, k, v fused per kv group ([q heads of the group; k; v] per group), groups
@@ -47,6 +48,10 @@ PARAMS: tuple[ParamMap, ...] = (
     ParamMap(_L + "self_attention.linear_qkv.bias",
              tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv",
              only_if=lambda args: args.qkv_bias),
+    ParamMap(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",), "replicated",
+             only_if=lambda args: args.qk_norm),
+    ParamMap(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), "replicated",
+             only_if=lambda args: args.qk_norm),
     ParamMap(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row"),
     ParamMap(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated"),
     ParamMap(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
@@ -64,9 +69,10 @@ PARAMS: tuple[ParamMap, ...] = (
 # (transformer_engine/pytorch/module/layernorm_linear.py), and megatron's TE spec
 # (models/gpt/gpt_layer_specs.py: ``column_parallel_layer_norm_linear()``, the input and
 # pre-MLP norms ``IdentityOp``) names them ``self_attention.linear_qkv.layer_norm_weight``
-# and ``mlp.linear_fc1.layer_norm_weight``. PARAMS uses the local spec's names; megatron's
-# own map between the two (the local spec's ``sharded_state_dict_keys_map``, which also
-# makes checkpoints of both specs agree) is this one: tests/test_adapter.py checks it.
+# and ``mlp.linear_fc1.layer_norm_weight``. (Qwen3's q/k norms are modules of their own in
+# both specs, ``self_attention.{q,k}_layernorm``, named alike.) PARAMS uses the local spec's
+# names; megatron's own map between the two (the local spec's ``sharded_state_dict_keys_map``,
+# which also makes checkpoints of both specs agree) is this one: tests/test_adapter.py checks it.
 TE_FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
                   "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 _LAYER = re.compile(r"(decoder\.layers\.(?:\d+\.)?)(.*)")

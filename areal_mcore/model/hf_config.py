@@ -68,6 +68,9 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=args.qkv_bias,
+        # Qwen3's per-head q/k norms. Besides the spec's q/k_layernorm modules, megatron reads
+        # this in finalize_model_grads to sum their grads over TP (each rank norms its own heads).
+        qk_layernorm=args.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
@@ -91,13 +94,21 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
     )
 
 
-def layer_spec(use_te: bool) -> ModuleSpec:
+def layer_spec(use_te: bool, qk_layernorm: bool = False) -> ModuleSpec:
     """TransformerEngine's spec when TE is usable, else the local spec + THD CPU attention
-    and an RMSNorm that supports sequence parallelism (model/norm.py says why)."""
+    and an RMSNorm that supports sequence parallelism (model/norm.py says why).
+
+    ``qk_layernorm`` adds the per-head q/k norms; both specs name them
+    ``self_attention.{q,k}_layernorm.weight`` (TE does not fuse them into a linear)."""
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = CPUCoreAttention
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = CPUCoreAttention
+    if qk_layernorm:
+        # The local spec's WrappedTorchNorm refuses sequence parallelism even here, where the
+        # norm runs after linear_qkv has gathered the sequence.
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     spec.submodules.input_layernorm = SequenceParallelRMSNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     return spec
@@ -107,7 +118,7 @@ def block_spec(config: TransformerConfig, use_te: bool, pp_rank: int) -> ModuleS
     """One pipeline stage's decoder. With the local spec the final norm is named here:
     given a bare layer spec, TransformerBlock picks its module-global ``LayerNormImpl``
     (WrappedTorchNorm without TE/apex, which refuses sequence parallelism)."""
-    layer = layer_spec(use_te)
+    layer = layer_spec(use_te, config.qk_layernorm)
     if use_te:
         return layer
     n = get_num_layers_to_build(config, pp_rank=pp_rank)
@@ -129,5 +140,8 @@ def build_gpt_model(args: ModelArgs, config: TransformerConfig, *, padded_vocab:
         share_embeddings_and_output_weights=args.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(args.rope_theta),
+        # Llama 3.1+: megatron's llama3 scaling; args.py refuses what it cannot express.
+        rope_scaling=args.rope_scaling_factor is not None,
+        rope_scaling_factor=args.rope_scaling_factor or 8.0,  # megatron's default, unused then
         pg_collection=pg_collection,
     )
