@@ -38,11 +38,11 @@ class _FakeClient:
                           versions=["0", "0"], finish_reason={"type": "stop"})
 
 
-async def _reward(texts, solutions):
+async def _reward(items):
     """ALL_WRONG prompts score 0, ALL_RIGHT 1, MIXED 1 on even sample indices."""
     out = []
-    for t in texts:
-        kind, j = map(int, t.split(","))
+    for item in items:
+        kind, j = map(int, item.completion.split(","))
         out.append(float(kind == ALL_RIGHT or (kind == MIXED and j % 2 == 0)))
     return out
 
