@@ -302,7 +302,7 @@ def test_kill_9_of_one_of_two_servers_mid_batch_completes_on_the_survivor(server
         async with RolloutClient(ClientConfig(addresses=addresses, backend="vllm",
                                               retry_delay_s=0.5)) as c:
             gen = asyncio.gather(*[c.generate(PROMPT, sampling, rid=f"k{i}") for i in range(32)])
-            victim = next(s for s in c.servers if s.address == addresses[1])
+            victim = next(s for s in c.fleet.servers if s.address == addresses[1])
             deadline = time.monotonic() + 60
             while victim.in_flight < 16:  # the client routes half the batch there
                 assert time.monotonic() < deadline and not gen.done(), victim.in_flight
