@@ -71,7 +71,6 @@ class Fleet:
                  dead_engine: Callable[[int, str], bool] = lambda status, text: False):
         if not addresses:
             raise ValueError("rollout.client.addresses is empty: launch servers first")
-        self.addresses = list(addresses)
         self.servers = [Server(a) for a in addresses]
         self.api_key, self.max_connections, self.keepalive_s = api_key, max_connections, keepalive_s
         self.dead_engine = dead_engine  # the engine's: an HTTP error that means it is gone

@@ -134,7 +134,7 @@ class DistributedSync(Syncer):
 
     async def _form_group(self) -> None:
         cfg = self.cfg
-        address = cfg.master_address or routable_address(self.fleet.addresses)
+        address = cfg.master_address or routable_address([s.address for s in self.fleet.servers])
         port = cfg.master_port + self.g.pp_rank if cfg.master_port else free_port(address)
         backend = cfg.backend if cfg.backend != "auto" else (
             "nccl" if torch.cuda.is_available() else "gloo")

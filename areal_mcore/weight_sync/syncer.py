@@ -88,7 +88,6 @@ class Syncer:
             fleet = Fleet(addresses, api_key=api_key, dead_engine=engine.dead_engine)
         self.fleet = fleet if roles.sender else None
         self.updater = engine.updater(self.fleet) if roles.sender else None
-        self._engine = engine
         self._device = next(actor.model.module.parameters()).device
 
     def _in_thread(self, fn, *args, **kwargs):
@@ -114,7 +113,7 @@ class Syncer:
         (SGLang would refuse every begin until then)."""
         if self._owns_fleet:
             await self.fleet.start()
-            await self._engine.detect_all(self.fleet)
+            await self.updater.engine.detect_all(self.fleet)
         await self.coordinate(SyncStats(), "connecting to the rollout servers", self._check)
 
     async def _check(self) -> None:
