@@ -7,6 +7,7 @@ module runs on one xdist worker)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -178,32 +179,47 @@ def test_a_trainer_still_running_near_the_time_limit_is_stopped_and_the_job_requ
     EndTime, asks the trainer to stop stop_lead_s before it and, requeue_margin_s before
     it, stops the trainer and requeues the job itself. Here step 2's rollout never ends
     (the server's --stall-after fault), so the trainer cannot stop at a step's end; USR2
-    would come only 1 s before the 3-minute limit. The stop request (100 s in) must come
-    after step 1 ended (~45 s in on a slow 2-core machine): one that came during step 1
-    was heeded at its end, and the margin path went untested (a 2-minute limit did that)."""
+    would come only 1 s before the limit. The limit is cut (scontrol update, as an admin
+    would; the launcher re-reads it) only once step 1 has ended: a stop request during
+    step 1 is heeded at its end and the margin path goes untested, as it did in CI when a
+    limit fixed at submission met a slow machine's step 1."""
     overrides = [*_overrides(assets, tmp_path, "margin", 100_000), "launch.stop_lead_s=80",
                  "launch.requeue_margin_s=60", "server.extra_args=[--stall-after,4]"]  # step 1: 2 prompts x 2 samples
-    submitted = time.monotonic()
-    job = _sbatch(overrides, tmp_path, "--time=3", "--signal=B:USR2@1")
+    job = _sbatch(overrides, tmp_path, "--signal=B:USR2@1")
     run_dir, out = tmp_path / "margin", tmp_path / f"slurm-{job}.out"
     log = run_dir / "slurm" / f"job{job}_try1" / "trainer.log"
-    deadline, requeued = submitted + 360, None
     try:
+        _wait_rows(run_dir, 1, job)
+        started = _job_time(job, "StartTime")
+        run("scontrol", "update", f"JobId={job}", f"TimeLimit={int((time.time() - started) // 60) + 3}")
+        end = _job_time(job, "EndTime")
+        assert 120 < end - time.time() <= 181, (started, end, time.time())
+        requeued = None
         while not (log.exists() and "resumed from" in log.read_text()):
             if requeued is None and "requeueing job" in (out.read_text() if out.exists() else ""):
-                requeued = time.monotonic() - submitted
-            assert time.monotonic() < deadline and state(job) not in TERMINAL, \
+                requeued = time.time()
+            assert time.time() < end + 120 and state(job) not in TERMINAL, \
                 (state(job), out.read_text()[-3000:] if out.exists() else "")
             time.sleep(0.5)
     finally:
         subprocess.run(["scancel", job], check=False)
     text = out.read_text()
-    # Requeued by the launcher ~60 s before the limit, not by the USR2 at 1 s (the old
-    # launcher's only trigger, which the stalled trainer would not have heeded anyway).
-    assert requeued is not None and requeued < 150, (requeued, text[-3000:])
-    assert "before the time limit: stopping it; the next try resumes from" in text, text[-3000:]
+    # Requeued by the launcher before the limit (~60 s before, after up to 30 s for its
+    # steps to stop), not by the USR2 at 1 s (the old launcher's only trigger, which the
+    # stalled trainer would not have heeded anyway).
+    assert requeued is not None and requeued < end - 10, (end - requeued if requeued else None, text[-3000:])
+    stopping = "before the time limit: stopping it; the next try resumes from "
+    assert stopping in text, text[-3000:]
+    checkpoint = text.split(stopping, 1)[1].split()[0]
+    assert checkpoint.endswith("_1") and f"resumed from {checkpoint} at step 1" in log.read_text()
     assert "SIGUSR2" not in text and _status(run_dir)["restarts"] == 1
     wait(job, 120)
+
+
+def _job_time(job, field):
+    """The job's StartTime or EndTime (epoch seconds), as scontrol prints it in local time."""
+    fields = dict(kv.split("=", 1) for kv in run("scontrol", "show", "job", "-o", job).split() if "=" in kv)
+    return datetime.datetime.fromisoformat(fields[field]).timestamp()
 
 
 def test_a_job_past_its_restart_budget_fails_with_the_reason(assets, tmp_path):

@@ -7,8 +7,8 @@ per rollout server (each picks a free port on its node and publishes ``host:port
 ``srun`` step of torchrun across the trainer nodes, pointed at the servers.
 
 Any step ending early ends the job with a non-zero code and a line naming the step.
-Time limit: ``launch.stop_lead_s`` before the job's EndTime (or longer, when the slowest
-recent step needs it), or on SIGUSR2 (``--signal=B:USR2@300``), this process touches
+Time limit: ``launch.stop_lead_s`` before the job's EndTime (re-read every 15 s: an admin
+may move it; or longer, when the slowest recent step needs it), or on SIGUSR2 (``--signal=B:USR2@300``), this process touches
 ``<run>/STOP``; the trainer checkpoints at the end of its step and exits, and the job
 requeues itself (``scontrol requeue``) when the run is not finished. A trainer still
 running ``launch.requeue_margin_s`` before the limit is stopped and the job requeued all
@@ -51,6 +51,9 @@ class SlurmJob:
         job_id = os.environ["SLURM_JOB_ID"]
         nodes = _scontrol("show", "hostnames", os.environ["SLURM_JOB_NODELIST"]).split()
         return cls(job_id, nodes, int(os.environ.get("SLURM_RESTART_COUNT", "0")), job_end_time(job_id))
+
+
+END_TIME_POLL_S = 15.0  # one `scontrol show job` per poll: nothing at any job size
 
 
 def job_end_time(job_id: str) -> float | None:
@@ -109,6 +112,7 @@ class Launcher:
         self.status = Status(self.files, job_id=self.job.job_id)
         self.steps: dict[str, subprocess.Popen] = {}
         self.terminating, self.requeue_self, self.stop_asked = False, requeue_self, False
+        self.end_time_read = time.monotonic()  # SlurmJob.from_env read it
         os.environ.update({k: str(v) for k, v in cfg.launch.env.items()})  # srun steps inherit it
         set_nccl_env(os.environ)  # and the weight-update group's NCCL settings, unless set
         gpus = cfg.launch.gpus
@@ -242,6 +246,15 @@ class Launcher:
         return 0
 
     def _time_left(self) -> float:
+        # The limit can move while the job runs (an admin's `scontrol update JobId=..
+        # TimeLimit=..`): re-read it every END_TIME_POLL_S instead of trusting the start's.
+        now = time.monotonic()
+        if now - self.end_time_read >= END_TIME_POLL_S:
+            self.end_time_read = now
+            try:
+                self.job.end_time = job_end_time(self.job.job_id)
+            except subprocess.CalledProcessError:
+                pass  # slurmctld busy: keep the last limit read, and try again next poll
         return self.job.end_time - time.time() if self.job.end_time else float("inf")
 
     def _time_limit_reached(self) -> bool:
