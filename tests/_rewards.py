@@ -18,3 +18,10 @@ def too_few_args(completion, solutions):
 
 
 not_a_function = 3
+
+
+def first_token_reward(prompt, completion, prompt_ids, completion_ids, solutions, **fields):
+    """1.0 when the first completion token's id is a multiple of 5: about one sample in five
+    for an untrained model, so a group of 4 is uniform (all 0 or all 1) about 41 % of the
+    time and mixed otherwise, as DAPO's dynamic sampling needs, with no SFT warm-up."""
+    return float(bool(completion_ids) and completion_ids[0] % 5 == 0)
