@@ -272,6 +272,7 @@ def _init_distributed() -> None:
 
 def run_train(a) -> int:
     from areal_mcore.config import load_config
+    from areal_mcore.model.args import check_model_folder
     from areal_mcore.paths import check_run_paths
 
     overrides = a.overrides + (["plan.check=false"] if a.no_plan_check else [])
@@ -279,6 +280,10 @@ def run_train(a) -> int:
     if refuse_unplanned(cfg, a.command):  # ... and a config that cannot fit, before any server
         return 2
     check_run_paths(cfg, a.command)  # and wrong paths, before any rank or server starts
+    if a.command == "sft":
+        check_model_folder("sft.base_model", cfg.sft.base_model)  # and a model the actor refuses
+    else:
+        check_model_folder("model_path", cfg.model_path)
     _init_distributed()
     if a.command == "sft":
         from areal_mcore.trainer.sft import run_sft

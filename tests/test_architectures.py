@@ -192,19 +192,52 @@ def test_convert_hf_to_tp2_and_back_is_bitwise_and_verifies(arch, tmp_path):
     assert set(back) == set(state) and all(torch.equal(back[k], v) for k, v in state.items())
 
 
-def test_convert_refuses_a_yarn_config_in_one_line_with_exit_2(tmp_path):
+def _yarn_model(folder):
     import json
 
     _, _, model = tiny_model("llama3", vocab=VOCAB)
-    model.save_pretrained(tmp_path / "hf")
-    data = json.loads((tmp_path / "hf" / "config.json").read_text())
+    model.save_pretrained(folder)
+    data = json.loads((folder / "config.json").read_text())
     data["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
                                "original_max_position_embeddings": 8192}
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(data))
+    (folder / "config.json").write_text(json.dumps(data))
+
+
+YARN_REFUSED = "rope_scaling.rope_type='yarn' is not supported; use one of ['default', 'llama3']"
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_train_refuses_a_yarn_model_in_one_line_before_anything_starts(command, tmp_path, capsys, monkeypatch):
+    """The plan check passed such a folder on (it skips configs it cannot plan), and the
+    actor refused it only after the servers and ranks had started."""
+    import areal_mcore.cli as cli
+    from areal_mcore.launcher import slurm
+
+    monkeypatch.setattr(cli, "_init_distributed", lambda: pytest.fail("started despite the model"))
+    monkeypatch.setattr(slurm, "Launcher", lambda *a, **k: pytest.fail("launcher built despite the model"))
+    _yarn_model(tmp_path / "m")
+    (tmp_path / "m" / "tokenizer_config.json").write_text("{}")  # the path checks ask no more
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "solutions": ["2"]}\n')
+    capsys.readouterr()  # save_pretrained's progress bar
+    key = "sft.base_model" if command == "sft" else "model_path"
+    overrides = [f"{key}={tmp_path / 'm'}", f"dataset.path={tmp_path / 'train.jsonl'}",
+                 f"trainer.log_dir={tmp_path / 'runs'}", "trainer.eval_freq=0", "server.model_path=${model_path}"]
+    if command == "sft":
+        overrides += [f"sft.output_dir={tmp_path / 'out'}"]
+    assert cli.main([command, "--config", "configs/tiny_cpu.yaml", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"areal-mcore {command}: error: {key}={tmp_path / 'm'}: "
+                                               f"config.json: {YARN_REFUSED}"), err
+    stage = ["launch.stage=sft"] if command == "sft" else []
+    assert slurm.main(["run", "--config", "configs/tiny_cpu.yaml", *overrides, *stage]) == 2
+    assert f"{key}={tmp_path / 'm'}: config.json: {YARN_REFUSED}" in capsys.readouterr().err
+
+
+def test_convert_refuses_a_yarn_config_in_one_line_with_exit_2(tmp_path):
+    _yarn_model(tmp_path / "hf")
     proc = _convert("hf-to-mcore", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"))
     assert proc.returncode == 2
     # transformers warns about the yarn config on its own lines; the refusal is one line.
     lines = [line for line in proc.stderr.splitlines() if line.startswith("areal-mcore")]
-    assert len(lines) == 1 and lines[0].startswith("areal-mcore convert: error: rope_scaling.rope_type='yarn' "
-                                                   "is not supported; use one of ['default', 'llama3']"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"areal-mcore convert: error: {YARN_REFUSED}"), proc.stderr
     assert not (tmp_path / "ckpt").exists()

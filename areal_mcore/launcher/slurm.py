@@ -377,10 +377,20 @@ _EARLY_USR2: list[int] = []
 
 
 def _refused_by_plan(config: str, overrides: list[str]) -> bool:
+    """The plan's refusal, or the actor's of the model's config.json, before any step starts."""
     from areal_mcore.config import load_config
+    from areal_mcore.model.args import check_model_folder
     from areal_mcore.plan import refusal
 
-    why = refusal(load_config(config, overrides))
+    cfg = load_config(config, overrides)
+    why = refusal(cfg)
+    try:
+        if cfg.launch.stage == "sft" and cfg.sft is not None:
+            check_model_folder("sft.base_model", cfg.sft.base_model)
+        elif cfg.model_path:
+            check_model_folder("model_path", cfg.model_path)
+    except ValueError as e:
+        why = str(e)
     if why:
         print(f"[launcher] {why}", file=sys.stderr)
     return why is not None

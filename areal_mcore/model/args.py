@@ -11,7 +11,10 @@ place for, other architectures) is an error naming the key, not a silently diffe
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 
 @dataclass(frozen=True)
@@ -173,3 +176,17 @@ def stage_layer_counts(num_layers: int, pp_size: int, first: int | None = None,
             f"actor.parallel.first_stage_layers={first}, last_stage_layers={last}: the other "
             f"stages must share the remaining layers equally (at least one each)")
     return [fixed[s] if fixed.get(s) is not None else rest // len(free) for s in range(pp_size)]
+
+
+def check_model_folder(key: str, folder: str) -> None:
+    """Refuses, naming the key and the file, a model folder whose config.json the mapping
+    cannot represent: run before any process starts, where the actor would only find out
+    after the servers and ranks had started. A folder without config.json is the path
+    checks' to report."""
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return
+    try:
+        ModelArgs.from_hf(SimpleNamespace(**json.loads(config.read_text())))
+    except ValueError as e:
+        raise ValueError(f"{key}={folder}: {config.name}: {e}") from None
