@@ -14,7 +14,7 @@ from areal_mcore.plan.architectures import resolve_architecture
 from areal_mcore.plan.memory import GiB, server_plan, stage_params
 from areal_mcore.plan.planner import server_shape
 
-BOBA = ["boba_1.5b", "boba_7b", "boba_32b_ppo", "boba_32b_sft"]
+BOBA = ["boba_1.5b", "boba_7b", "boba_32b_ppo", "boba_32b_sft", "qwen3_8b"]
 TOO_BIG = ["actor.recompute=false", "actor.parallel.sequence_parallel=false"]
 
 

@@ -1,7 +1,7 @@
 """The architecture the planner sizes: model_path's config.json, else a known model by name.
 
 Planning happens before a run (often on a login node without the weights), so the boba
-models' shapes are listed here, copied from their public HF ``config.json`` files.
+models' shapes (and the Qwen3 recipes') are listed here, copied from their public HF ``config.json`` files.
 """
 
 from __future__ import annotations
@@ -20,11 +20,19 @@ def _qwen2(hidden, layers, heads, kv, ffn, vocab, tie):
                 rope_theta=10000.0, max_position_embeddings=131072)
 
 
+def _qwen3(hidden, layers, heads, kv, head_dim, ffn, vocab, tie):
+    return dict(model_type="qwen3", hidden_size=hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                intermediate_size=ffn, vocab_size=vocab, tie_word_embeddings=tie, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, max_position_embeddings=40960)
+
+
 KNOWN = {
     "DeepSeek-R1-Distill-Qwen-1.5B": _qwen2(1536, 28, 12, 2, 8960, 151936, False),
     "DeepSeek-R1-Distill-Qwen-7B": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
     "DeepSeek-R1-Distill-Qwen-14B": _qwen2(5120, 48, 40, 8, 13824, 152064, False),
     "DeepSeek-R1-Distill-Qwen-32B": _qwen2(5120, 64, 40, 8, 27648, 152064, False),
+    "Qwen3-8B": _qwen3(4096, 36, 32, 8, 128, 12288, 151936, False),
 }
 
 
