@@ -126,6 +126,8 @@ def check_run_paths(cfg, command: str) -> None:
         server = cfg.server
         if server is not None and not server.addresses and server.model_path != cfg.model_path:
             check_hf_model("server.model_path", server.model_path)
+        if cfg.ppo.kl_coef and cfg.ppo.ref_model_path:
+            check_hf_model("ppo.ref_model_path", cfg.ppo.ref_model_path)
         trainer = cfg.trainer
         if trainer is not None:
             check_writable_dir("trainer.log_dir", trainer.log_dir)
