@@ -238,3 +238,13 @@ def test_reference_from_the_initial_weights_gives_kl_zero_then_positive_after_a_
     assert out["ref_equals_actor"] and out["ref_params_frozen"] and out["ref_unchanged"]
     assert abs(out["kl_first"]) < 1e-9 and abs(out["kl_term_first"]) < 1e-9
     assert out["kl_second"] > 1e-6 and out["entropy"] > 0
+
+
+def test_plan_counts_the_reference_models_weights_on_every_trainer_rank():
+    from areal_mcore.plan import make_plan
+
+    off = make_plan(load_config(BOBA_7B, []), with_fixes=False)
+    on = make_plan(load_config(BOBA_7B, ["ppo.kl_coef=0.001"]), with_fixes=False)
+    for a, b in zip(off.trainer, on.trainer, strict=True):
+        assert a.terms["ref_weights"] == 0 and b.terms["ref_weights"] == b.terms["weights"] > 0
+        assert b.total - a.total == b.terms["weights"]
