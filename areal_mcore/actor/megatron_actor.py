@@ -125,10 +125,12 @@ class MegatronActor:
 
     def build_frozen_model(self, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
         """A second GPTModel sharded exactly like this actor's (same parallel groups and
-        layer spec), loaded with full HF tensors, parameters only: no DDP buffers, no
-        optimizer state, no gradients (``actor.reference``). ``compute_logprobs(model=)``
-        runs it. Its TransformerConfig has none of the actor's hooks (DDP's no_sync, grad
-        finalisation), which megatron's schedules read from the model's config."""
+        layer spec), loaded with full HF tensors of the same architecture, parameters only:
+        no DDP buffers, no optimizer state, no gradients (the KL's reference model,
+        ``ppo.kl_coef``). ``compute_logprobs(model=)`` runs it through the same schedule.
+        Its TransformerConfig has none of the actor's hooks (DDP's no_sync, grad
+        finalisation): megatron's schedules read them from the model's config
+        (``get_model_config`` in pipeline_parallel/schedules.py)."""
         _, model = self._build_module()
         model.requires_grad_(False).eval()
         g = self.groups
