@@ -248,3 +248,17 @@ def test_plan_counts_the_reference_models_weights_on_every_trainer_rank():
     for a, b in zip(off.trainer, on.trainer, strict=True):
         assert a.terms["ref_weights"] == 0 and b.terms["ref_weights"] == b.terms["weights"] > 0
         assert b.total - a.total == b.terms["weights"]
+
+
+def test_a_reference_of_another_architecture_is_refused_before_start(tmp_path):
+    import json
+
+    from areal_mcore.paths import PathError, check_same_architecture
+
+    shape = {"model_type": "qwen2", "vocab_size": 250, "hidden_size": 64, "num_hidden_layers": 4}
+    for name, layers in (("actor", 4), ("same", 4), ("deeper", 6)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**shape, "num_hidden_layers": layers}))
+    check_same_architecture("ppo.ref_model_path", str(tmp_path / "same"), "model_path", str(tmp_path / "actor"))
+    with pytest.raises(PathError, match=r"ppo\.ref_model_path=.*num_hidden_layers: 6 vs 4"):
+        check_same_architecture("ppo.ref_model_path", str(tmp_path / "deeper"), "model_path", str(tmp_path / "actor"))
