@@ -5,10 +5,9 @@ References are written per sequence from the definitions and share no code with
 ``ppo_actor_loss``: the estimators from Schulman's "Approximating KL divergence" (k1, k2, k3;
 GRPO, arXiv 2402.03300, uses k3 in the loss), aggregated as each ``loss_agg_mode`` says, in
 float64 on random packed batches. The entropy's gradient runs through the fused logprob
-kernel against a float64 log_softmax; under TP=2 the kernel's entropy gradient is checked in
-``test_kernels.py::test_tp2_vocab_shards_on_gloo_match_the_full_vocab`` (random upstream
-gradients on both outputs). One tiny-actor run loads the reference from the actor's own
-initial weights.
+kernel against a float64 log_softmax; under TP=2 against TP=1 in
+``test_kernels.py::test_entropy_bonus_gradient_on_tp2_shards_equals_tp1`` (in that file's
+gloo fixture). One tiny-actor run loads the reference from the actor's own initial weights.
 """
 
 from pathlib import Path
