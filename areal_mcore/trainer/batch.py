@@ -23,7 +23,13 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from areal_mcore.algo import gae_packed, kl_reward_penalty, normalize, overlong_penalty, transform_reward
+from areal_mcore.algo import (
+    gae_packed,
+    kl_reward_penalty,
+    normalize,
+    overlong_penalty,
+    transform_reward,
+)
 from areal_mcore.algo.config import PPOConfig
 from areal_mcore.packing import PackedBatch, pack
 from areal_mcore.trainer.dispatch import RolloutShard
