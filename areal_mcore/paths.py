@@ -41,6 +41,24 @@ def check_hf_model(key: str, value: str | None, *, weights: bool = True) -> None
                         "(save_pretrained writes model.safetensors)")
 
 
+# config.json keys that fix the parameters' shapes (the reference model reuses the actor's).
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings")
+
+
+def check_same_architecture(key: str, value: str, other_key: str, other: str) -> None:
+    """The HF folders ``value`` and ``other`` (both checked by ``check_hf_model``) hold
+    models of the same shapes, by their config.json."""
+    import json
+
+    mine, theirs = (json.loads((Path(v) / "config.json").read_text()) for v in (value, other))
+    diff = [f"{k}: {mine.get(k)!r} vs {theirs.get(k)!r}" for k in SHAPE_KEYS if mine.get(k) != theirs.get(k)]
+    if diff:
+        raise PathError(f"{key}={value}: its model differs from {other_key}={other}'s ({'; '.join(diff)}); "
+                        f"expected the same architecture (the reference model is sharded and loaded like "
+                        f"the actor): point {key} at a checkpoint of the same model, or set it to null")
+
+
 def check_tokenizer(key: str, value: str | None) -> None:
     """``value`` is a folder with tokenizer files (``AutoTokenizer.from_pretrained``)."""
     path = _given(key, value, "a folder with tokenizer files")
@@ -126,6 +144,9 @@ def check_run_paths(cfg, command: str) -> None:
         server = cfg.server
         if server is not None and not server.addresses and server.model_path != cfg.model_path:
             check_hf_model("server.model_path", server.model_path)
+        if cfg.ppo.kl_coef and cfg.ppo.ref_model_path:
+            check_hf_model("ppo.ref_model_path", cfg.ppo.ref_model_path)
+            check_same_architecture("ppo.ref_model_path", cfg.ppo.ref_model_path, "model_path", cfg.model_path)
         trainer = cfg.trainer
         if trainer is not None:
             check_writable_dir("trainer.log_dir", trainer.log_dir)

@@ -4,8 +4,9 @@
 import torch
 
 
-def reference_gae(rewards, lengths, values, mask, gamma, lam):
-    """Plain Python loop, one sequence at a time, over its action tokens in reverse."""
+def reference_gae(rewards, lengths, values, mask, gamma, lam, token_rewards=None):
+    """Plain Python loop, one sequence at a time, over its action tokens in reverse;
+    ``token_rewards``: a reward on every action token besides the sequence's last one."""
     adv = [0.0] * sum(lengths)
     ret = [0.0] * sum(lengths)
     start = 0
@@ -13,7 +14,7 @@ def reference_gae(rewards, lengths, values, mask, gamma, lam):
         actions = [t for t in range(start, start + n) if mask[t]]
         last_gae, next_value = 0.0, 0.0
         for j, t in enumerate(reversed(actions)):
-            r = rewards[b] if j == 0 else 0.0
+            r = (rewards[b] if j == 0 else 0.0) + (float(token_rewards[t]) if token_rewards is not None else 0.0)
             v = values[t] if values is not None else 0.0
             delta = r + gamma * next_value - v
             last_gae = delta + gamma * lam * last_gae

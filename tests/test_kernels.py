@@ -169,7 +169,20 @@ def _tp_worker(rank, world_size):
                                     tp_group=groups.tp, temperature=0.7, kernel=kernel)
         (g_T @ logp_T).backward()
         out["token_logprobs", kernel] = (logp_T.detach().cpu(), x.grad.cpu())
+    out["entropy_bonus"] = _entropy_bonus(logits_TV[:, shard], ids_T, cu_B1, rank, groups.tp)
     return out
+
+
+def _entropy_bonus(logits_TV, ids_T, cu_B1, tp_rank, tp_group):
+    """(entropy_T, d/d logits) of ``ppo.entropy_coef``'s term through the aligned path: the
+    same on a vocab shard of TP=2 as on the whole vocabulary."""
+    from areal_mcore.actor.logprobs import token_logprobs_entropy
+
+    x = logits_TV.clone().requires_grad_()
+    logp_T, ent_T = token_logprobs_entropy(x, ids_T, cu_B1, vocab_size=1000, tp_rank=tp_rank,
+                                           tp_group=tp_group, temperature=0.7, kernel="torch")
+    (-0.5 * ent_T.sum() + 0.1 * logp_T.sum()).backward()  # the entropy term dominates
+    return ent_T.detach().cpu(), x.grad.cpu()
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +213,16 @@ def test_token_logprobs_equals_megatron_vocab_parallel_cross_entropy_tp2(tp2, ke
         assert logp_T[[0, 7, 25]].tolist() == [0.0, 0.0, 0.0]
         torch.testing.assert_close(logp_T, want_logp_T, **TOL)
         torch.testing.assert_close(grad_TV, want_grad_TV, **TOL)
+
+
+@pytest.mark.multirank
+def test_entropy_bonus_gradient_on_tp2_shards_equals_tp1(tp2):
+    logits_TV, ids_T, _, _ = (t.to(DEVICE) for t in _inputs(T_TP, V_PADDED, 1000, seed=4))
+    cu_B1 = torch.tensor([0, 7, 25, T_TP], device=DEVICE)
+    ent_T, grad_TV = _entropy_bonus(logits_TV, ids_T, cu_B1, 0, None)
+    for rank in tp2:
+        torch.testing.assert_close(rank["entropy_bonus"][0], ent_T, **TOL)
+    torch.testing.assert_close(torch.cat([r["entropy_bonus"][1] for r in tp2], 1), grad_TV, **TOL)
 
 
 # --------------------------------------------------------------------------- GAE

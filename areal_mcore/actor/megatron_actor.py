@@ -2,7 +2,8 @@
 token logprobs and trains on THD micro-batches with a caller-supplied loss.
 
 The loss contract (``LossFn``): ``loss_fn(logprobs_T, micro_batch, num_global_tokens,
-num_global_seqs)`` returns ``(loss, stats)`` where ``loss`` is already a *sum* over the
+num_global_seqs)`` (and ``entropy_T=`` θ's entropies when ``train_batch(entropy=True)``)
+returns ``(loss, stats)`` where ``loss`` is already a *sum* over the
 micro-batch divided by a count of the whole minibatch on all data-parallel ranks: its
 loss tokens, or (per-sequence aggregations) its sequences with at least one loss token.
 The actor undoes megatron's own averaging so that these losses add up to the exact mean.
@@ -29,7 +30,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from areal_mcore import accel, collectives
 from areal_mcore.actor.config import ActorConfig
-from areal_mcore.actor.logprobs import token_logprobs
+from areal_mcore.actor.logprobs import token_logprobs_entropy
 from areal_mcore.actor.parallel import ParallelGroups, init_parallel
 from areal_mcore.devices import check_bound
 from areal_mcore.model import adapter
@@ -43,6 +44,7 @@ from areal_mcore.packing import (
     unpack,
 )
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
@@ -65,24 +67,9 @@ class MegatronActor:
         check_bound()  # megatron allocates on torch.cuda.current_device(): it must be LOCAL_RANK's
         self.device = torch.device("cuda", torch.cuda.current_device()) if found.cuda else torch.device("cpu")
         self.padded_vocab = padded_vocab_size(self.args.vocab_size, g.tp_size, cfg.vocab_divisible_by)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-        use_te = {"auto": found.transformer_engine, "local": False, "te": True}[cfg.layer_spec]
-        if use_te and not found.transformer_engine:
-            raise ValueError("actor.layer_spec=te needs TransformerEngine with CUDA; use auto or local")
-        self.config = transformer_config(self.args, tp_size=g.tp_size, pp_size=g.pp_size,
-                                         params_dtype=dtype, recompute=cfg.recompute,
-                                         recompute_granularity=cfg.recompute_granularity,
-                                         sequence_parallel=p.use_sequence_parallel,
-                                         first_stage_layers=p.first_stage_layers,
-                                         last_stage_layers=p.last_stage_layers,
-                                         on_gpu=found.cuda, fused=use_te,
-                                         gradient_accumulation_fusion=accel.wgrad_fusion(
-                                             cfg.gradient_accumulation_fusion, found))
-        model = build_gpt_model(self.args, self.config, padded_vocab=self.padded_vocab,
-                                use_te=use_te, pre_process=g.is_first_stage,
-                                post_process=g.is_last_stage, pp_rank=g.pp_rank,
-                                pg_collection=g.collection)
-        model.to(self.device)
+        dtype = DTYPES[cfg.dtype]
+        self._found = found
+        self.config, model = self._build_module()
         self.model = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
@@ -112,6 +99,45 @@ class MegatronActor:
         self.config.no_sync_func = self.model.no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
         self._fb = get_forward_backward_func()
+
+    def _build_module(self):
+        """(TransformerConfig, GPTModel) of this rank's shard, on the device; each call a
+        new config object, since the actor's gets the training hooks below."""
+        cfg, p, g, found = self.cfg, self.cfg.parallel, self.groups, self._found
+        dtype = DTYPES[cfg.dtype]
+        use_te = {"auto": found.transformer_engine, "local": False, "te": True}[cfg.layer_spec]
+        if use_te and not found.transformer_engine:
+            raise ValueError("actor.layer_spec=te needs TransformerEngine with CUDA; use auto or local")
+        config = transformer_config(self.args, tp_size=g.tp_size, pp_size=g.pp_size,
+                                    params_dtype=dtype, recompute=cfg.recompute,
+                                    recompute_granularity=cfg.recompute_granularity,
+                                    sequence_parallel=p.use_sequence_parallel,
+                                    first_stage_layers=p.first_stage_layers,
+                                    last_stage_layers=p.last_stage_layers,
+                                    on_gpu=found.cuda, fused=use_te,
+                                    gradient_accumulation_fusion=accel.wgrad_fusion(
+                                        cfg.gradient_accumulation_fusion, found))
+        model = build_gpt_model(self.args, config, padded_vocab=self.padded_vocab,
+                                use_te=use_te, pre_process=g.is_first_stage,
+                                post_process=g.is_last_stage, pp_rank=g.pp_rank,
+                                pg_collection=g.collection)
+        return config, model.to(self.device)
+
+    def build_frozen_model(self, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """A second GPTModel sharded exactly like this actor's (same parallel groups and
+        layer spec), loaded with full HF tensors of the same architecture, parameters only:
+        no DDP buffers, no optimizer state, no gradients (the KL's reference model,
+        ``ppo.kl_coef``). ``compute_logprobs(model=)`` runs it through the same schedule.
+        Its TransformerConfig has none of the actor's hooks (DDP's no_sync, grad
+        finalisation): megatron's schedules read them from the model's config
+        (``get_model_config`` in pipeline_parallel/schedules.py)."""
+        _, model = self._build_module()
+        model.requires_grad_(False).eval()
+        g = self.groups
+        adapter.copy_into(model, adapter.from_hf(state_dict, self.args, tp_rank=g.tp_rank, tp_size=g.tp_size,
+                                                 pp_rank=g.pp_rank, pp_size=g.pp_size,
+                                                 padded_vocab=self.padded_vocab))
+        return model
 
     # ------------------------------------------------------------------ weights
 
@@ -197,12 +223,15 @@ class MegatronActor:
                        packed_seq_params=params)
         return output, partial(loss_func, mb)
 
-    def _logprobs(self, mb: PackedBatch, logits_1TV: torch.Tensor, temperature: float) -> torch.Tensor:
-        """``mb`` is the micro-batch ``_forward_step`` moved to the device."""
-        return token_logprobs(logits_1TV.squeeze(0), mb.input_ids, mb.cu_seqlens_padded,
-                              vocab_size=self.args.vocab_size,
-                              tp_rank=self.groups.tp_rank, tp_group=self.groups.tp,
-                              temperature=temperature, kernel=self.cfg.logprob_kernel)
+    def _logprobs(self, mb: PackedBatch, logits_1TV: torch.Tensor,
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp_T, entropy_T); ``mb`` is the micro-batch ``_forward_step`` moved to the
+        device. The fused kernel computes both in one pass; an entropy the loss leaves
+        unused costs no backward work (``kernels.logprob``)."""
+        return token_logprobs_entropy(logits_1TV.squeeze(0), mb.input_ids, mb.cu_seqlens_padded,
+                                      vocab_size=self.args.vocab_size,
+                                      tp_rank=self.groups.tp_rank, tp_group=self.groups.tp,
+                                      temperature=temperature, kernel=self.cfg.logprob_kernel)
 
     def _tp_aligned(self, batch: PackedBatch) -> PackedBatch:
         """``batch`` with every sequence padded to a multiple of TP under sequence parallelism:
@@ -216,11 +245,12 @@ class MegatronActor:
         seqs, fields = unpack(batch)
         return pack(seqs, fields, pad_to_multiple_of=math.lcm(batch.pad_to_multiple_of, m))
 
-    def _run(self, micro_batches: list[PackedBatch], loss_func, forward_only: bool):
+    def _run(self, micro_batches: list[PackedBatch], loss_func, forward_only: bool,
+             model: torch.nn.Module | None = None):
         return self._fb(
             forward_step_func=partial(self._forward_step, loss_func),
             data_iterator=iter(micro_batches),
-            model=[self.model],
+            model=[self.model if model is None else model],
             num_microbatches=len(micro_batches),
             seq_length=max(int(mb.input_ids.numel()) for mb in micro_batches),
             micro_batch_size=1,
@@ -228,10 +258,13 @@ class MegatronActor:
         )
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
-        """logp_T of ``batch``'s own tokens (0 at sequence starts), on every rank."""
+    def compute_logprobs(self, batch: PackedBatch, temperature: float = 1.0,
+                         model: torch.nn.Module | None = None) -> torch.Tensor:
+        """logp_T of ``batch``'s own tokens (0 at sequence starts), on every rank, by the
+        actor's model or ``model`` (one from ``build_frozen_model``)."""
         g = self.groups
-        self.model.eval()
+        module = self.model if model is None else model
+        module.eval()
         aligned = self._tp_aligned(batch)
         lens = aligned.seqlens_padded
         bins = allocate_micro_batches(lens, self.cfg.mb_spec.max_tokens_per_mb,
@@ -239,10 +272,10 @@ class MegatronActor:
         micro = aligned.select_many(bins)
 
         def loss_func(mb, logits):
-            logp = self._logprobs(mb, logits, temperature)
+            logp, _ = self._logprobs(mb, logits, temperature)
             return logp.sum() * 0.0, {"logprobs": logp}
 
-        outputs = self._run(micro, loss_func, forward_only=True)
+        outputs = self._run(micro, loss_func, forward_only=True, model=module)
         out_T = torch.zeros(batch.input_ids.numel(), dtype=torch.float32, device=self.device)
         if g.is_last_stage:
             starts = batch.cu_seqlens_padded[:-1].tolist()
@@ -251,19 +284,21 @@ class MegatronActor:
                     out_T[starts[i] : starts[i] + logp.numel()] = logp
         if g.pp_size > 1:
             collectives.broadcast(out_T, g.pp_last_rank, g.pp)
-        self.model.train()
+        if model is None:
+            self.model.train()
         return out_T
 
     # ------------------------------------------------------------------ train
 
     def train_batch(self, batch: PackedBatch, loss_fn: LossFn, n_minibatches: int = 1,
                     reduce_stats: Callable[[list[dict], dist.ProcessGroup], dict] | None = None,
-                    *, temperature: float = 1.0, step: int | None = None) -> dict:
+                    *, temperature: float = 1.0, step: int | None = None, entropy: bool = False) -> dict:
         """One optimizer step per minibatch (contiguous slices of the sequences).
 
         ``temperature`` divides the logits before the logprobs (PPO: the rollout's, so
         θ and the proximal policy score the distribution the tokens were sampled from;
-        SFT: 1). A minibatch with no sequence on this rank (fewer sequences than
+        SFT: 1). ``entropy``: ``loss_fn`` also gets ``entropy_T=`` (θ's next-token
+        entropies, differentiable, aligned like the logprobs). A minibatch with no sequence on this rank (fewer sequences than
         minibatches) runs one-token placeholders with no loss tokens, so the rank still
         takes part in every collective. A non-finite loss raises ``FloatingPointError``
         naming ``step`` and the minibatch on every rank, before the optimizer steps.
@@ -284,7 +319,7 @@ class MegatronActor:
         minibatches = _minibatches(batch, n_minibatches)
         for k, sub in enumerate(minibatches):
             micro, counts = self._plan_minibatch(sub, batch)
-            loss, outputs = self._forward_backward(micro, loss_fn, counts, temperature)
+            loss, outputs = self._forward_backward(micro, loss_fn, counts, temperature, entropy)
             if g.is_last_stage:
                 result["micro_stats"].extend(outputs)
             _check_finite(loss, outputs, f"{f'step {step}, ' if step is not None else ''}"
@@ -324,14 +359,14 @@ class MegatronActor:
 
     def _forward_backward(self, micro: list[PackedBatch], loss_fn: LossFn,
                           counts: tuple[torch.Tensor, torch.Tensor],
-                          temperature: float) -> tuple[torch.Tensor, list[dict]]:
+                          temperature: float, entropy: bool) -> tuple[torch.Tensor, list[dict]]:
         """Gradients of one minibatch; returns its loss (summed over micro-batches and DP,
         on every rank) and the loss function's per-micro-batch stats (last stage)."""
         g, n_mb = self.groups, len(micro)
 
         def loss_func(mb, logits):
-            logp = self._logprobs(mb, logits, temperature=temperature)
-            loss, stats = loss_fn(logp, mb, *counts)
+            logp, ent = self._logprobs(mb, logits, temperature=temperature)
+            loss, stats = loss_fn(logp, mb, *counts, **({"entropy_T": ent} if entropy else {}))
             stats = {**stats, "loss": loss.detach().clone()}
             # megatron divides each micro-batch loss by num_microbatches (schedules.py,
             # forward_step) and DDP averages grads over DP (gradient_scaling_factor =

@@ -1,6 +1,7 @@
 """Pure tensor maths for boba PPO: reward shaping, normalisation, GAE, the actor loss."""
 
 from areal_mcore.algo.gae import gae_packed
+from areal_mcore.algo.kl import kl_estimate, kl_reward_penalty
 from areal_mcore.algo.normalize import normalize
 from areal_mcore.algo.ppo_loss import (
     loglinear_gap_stats,
@@ -12,6 +13,8 @@ from areal_mcore.algo.reward_shaping import overlong_penalty, transform_reward
 
 __all__ = [
     "gae_packed",
+    "kl_estimate",
+    "kl_reward_penalty",
     "loglinear_gap_stats",
     "loglinear_proximal_logprobs",
     "normalize",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from areal_mcore.algo.kl import KL_ESTIMATORS
 from areal_mcore.algo.normalize import LEVELS as NORM_LEVELS
 from areal_mcore.algo.ppo_loss import BEHAV_WEIGHT_MODES, IS_LEVELS, LOSS_AGG_MODES
 from areal_mcore.checks import (
@@ -63,6 +64,7 @@ class OverlongPenaltyConfig:
 
 
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics", "reuse_train_logp")
+KL_IN = ("loss", "reward")
 
 
 @dataclass(kw_only=True)
@@ -112,6 +114,19 @@ class PPOConfig:
     # length) leave the loss and its token count.
     overlong_penalty: OverlongPenaltyConfig | None = None
     mask_truncated_samples: bool = False
+    # Entropy bonus: loss -= entropy_coef * agg(H) with θ's entropy from the fused logprob
+    # kernel, aggregated as loss_agg_mode (docs/algorithm.md#regularisers). 0: off.
+    entropy_coef: float = 0.0
+    # KL to a frozen reference model (0: off, nothing loaded): its weights from
+    # ref_model_path (null: model_path, the initial policy), sharded like the actor.
+    kl_coef: float = 0.0
+    ref_model_path: str | None = None
+    # k1 | k2 | k3 (algo/kl.py; k3 is GRPO's): the per-token estimate of KL(π‖π_ref).
+    kl_estimator: str = "k3"
+    # loss: + kl_coef * agg(k(θ, ref)) with gradient (GRPO); reward: - kl_coef * k(prox, ref)
+    # on each response token's reward before GAE, no gradient (InstructGPT, verl's
+    # use_kl_in_reward); reward needs the recomputed proximal logprobs.
+    kl_in: str = "loss"
 
     def __post_init__(self):
         check_positive("ppo_n_minibatches", self.ppo_n_minibatches)
@@ -151,6 +166,7 @@ class PPOConfig:
         for key in ("discount", "gae_lambda"):
             check_unit_interval(key, getattr(self, key))
         check_positive("reward_clip", self.reward_clip)
+        self._check_regularisers()
 
     def _check_loss_options(self) -> None:
         check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
@@ -178,3 +194,21 @@ class PPOConfig:
             raise field_error("behav_imp_weight_level", "sequence", "needs behav_imp_weight_cap: a "
                               "sequence's weight is the product of its tokens' weights and without a "
                               "cap (mask or truncate) one sequence can dominate the batch")
+
+    def _check_regularisers(self) -> None:
+        check_positive("entropy_coef", self.entropy_coef, allow_zero=True)
+        check_positive("kl_coef", self.kl_coef, allow_zero=True)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("kl_in", self.kl_in, KL_IN)
+        if self.ref_model_path is not None and not self.kl_coef:
+            raise field_error("ref_model_path", self.ref_model_path, "is loaded only with kl_coef > 0; "
+                              "set kl_coef or ref_model_path=null")
+        if self.kl_coef and self.kl_in == "reward" and self.prox_logp_method not in ("recompute", "metrics"):
+            raise field_error("kl_in", "reward", "needs prox_logp_method recompute or metrics (it is "
+                              f"{self.prox_logp_method!r}): the reward penalty is the KL of the recomputed "
+                              "proximal policy, known before the advantages; or use kl_in=loss")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a reference model is loaded (``kl_coef`` > 0)."""
+        return self.kl_coef > 0

@@ -4,10 +4,12 @@ Shape legend: B = sequences, T = packed tokens, B1 = B + 1, A = action tokens (m
 
 Only tokens with ``loss_mask`` on are actions (the generated response); the scan skips
 the others, so a masked span inside a sequence neither receives an advantage nor breaks
-the recursion. The sequence's scalar reward sits on its last action token. With no
+the recursion. The sequence's scalar reward sits on its last action token, plus optional
+per-token rewards on every action token (the KL penalty of ``ppo.kl_in: reward``). With no
 values (critic-free, boba) and γ = λ = 1, every action token gets its sequence reward.
 ``kernel`` picks the Triton kernel (``kernels/gae.py``, one program per sequence) or this
-vectorised torch path; both give the same numbers.
+vectorised torch path; both give the same numbers. The Triton kernel takes sequence
+rewards only: per-token rewards run the torch path (GAE is a negligible share of a step).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def gae_packed(
     lam: float,
     values_T: torch.Tensor | None = None,
     loss_mask_T: torch.Tensor | None = None,
+    token_rewards_T: torch.Tensor | None = None,
     kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns per token; zero on tokens that are not actions.
@@ -35,13 +38,14 @@ def gae_packed(
         gamma, lam: discount and GAE λ.
         values_T: critic values per token; None means 0 (no critic).
         loss_mask_T: action tokens; None means every token.
+        token_rewards_T: rewards added at each action token (others ignored); None: none.
         kernel: ``PPOConfig.gae_kernel``: "auto" (Triton with CUDA), "triton" or "torch".
 
     Returns:
         (advantages_T, returns_T), float32, on the device of ``rewards_B``;
         returns = advantages + values.
     """
-    if use_triton(kernel, "gae_kernel"):
+    if token_rewards_T is None and use_triton(kernel, "gae_kernel"):
         from areal_mcore.kernels.gae import gae_packed_triton
 
         return gae_packed_triton(rewards_B, cu_seqlens_B1, gamma=gamma, lam=lam,
@@ -61,6 +65,8 @@ def gae_packed(
 
     r_A = torch.zeros(n_A, dtype=torch.float64, device=device)
     r_A[ends_B[has_B]] = rewards_B.double()[has_B]
+    if token_rewards_T is not None:
+        r_A += token_rewards_T.double()[idx_A]
     v_A = torch.zeros_like(r_A) if values_T is None else values_T.double()[idx_A]
     last_A = torch.zeros(n_A, dtype=torch.bool, device=device)
     last_A[ends_B[has_B]] = True

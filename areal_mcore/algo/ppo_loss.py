@@ -24,11 +24,13 @@ Logged ratios (clip, KL, behaviour weight) are over the kept tokens.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from areal_mcore import collectives
+from areal_mcore.algo.kl import KL_ESTIMATORS, kl_estimate
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 IS_LEVELS = ("token", "sequence")
@@ -54,6 +56,11 @@ def ppo_actor_loss(
     importance_sampling_level: str = "token",
     behav_imp_weight_level: str = "token",
     behav_imp_weight_mode: str = "mask",
+    entropy_T: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    ref_logprobs_T: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO loss of one micro-batch and its token-summed stats.
 
@@ -83,6 +90,12 @@ def ppo_actor_loss(
       ``seq-mean-token-sum-norm`` Σ_i (Σ_{t∈y_i} ℓ_t / ``loss_norm_tokens``) / G (Dr.GRPO
       2503.20783, the paper's form with the 1/G; verl's ``agg_loss`` omits the 1/G).
       Dropped tokens still count in N and |y_i| (AReaL's rule for capped tokens).
+    - regularisers, aggregated the same way over all loss tokens (the behaviour weight and
+      the drops do not apply: they are terms in θ alone): loss = agg(ℓ) − ``entropy_coef``
+      · agg(H_t) + ``kl_coef`` · agg(k(logp_t, ref_t)), H_t the entropy of θ's next-token
+      distribution, k the ``kl_estimator`` of ``algo.kl`` (k1|k2|k3) against the frozen
+      reference model's logprobs. A coefficient of 0 adds nothing; the stats still sum
+      H_t and k over the loss tokens when the tensors are given.
 
     Args:
         logprobs_T: log π_θ of each token (with grad).
@@ -106,6 +119,12 @@ def ppo_actor_loss(
     """
     _check_options(loss_agg_mode, importance_sampling_level, behav_imp_weight_level, behav_imp_weight_mode,
                    cu_seqlens_B1, num_global_seqs, loss_norm_tokens, behav_imp_weight_cap)
+    if entropy_coef and entropy_T is None:
+        raise ValueError("entropy_coef > 0 needs entropy_T")
+    if kl_coef and ref_logprobs_T is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs_T")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator={kl_estimator!r} is not allowed; choose one of {list(KL_ESTIMATORS)}")
     mask = loss_mask_T.bool()
     dtype = torch.promote_types(logprobs_T.dtype, torch.float32)  # fp32, or the tests' fp64
     adv = advantages_T.to(dtype)
@@ -151,16 +170,18 @@ def ppo_actor_loss(
         loss3 = -adv * c_clip
         dual = (adv < 0) & (pg > loss3)
         pg = torch.where(dual, loss3, pg)
-    token_loss_T = torch.where(kept, pg * weight, 0.0)
-    if loss_agg_mode == "token-mean":
-        loss = token_loss_T.sum() / num_global_tokens
-    else:
-        per_seq_B = seq.sum(token_loss_T)
-        if loss_agg_mode == "seq-mean-token-mean":  # |y_i| = 0 only where the sum is 0
-            per_seq_B = per_seq_B / seq.sum(mask.to(dtype)).clamp(min=1.0)
-        elif loss_agg_mode == "seq-mean-token-sum-norm":
-            per_seq_B = per_seq_B / loss_norm_tokens
-        loss = per_seq_B.sum() / num_global_seqs
+    agg = partial(_aggregate, mask=mask, seq=seq, loss_agg_mode=loss_agg_mode, num_global_tokens=num_global_tokens,
+                  num_global_seqs=num_global_seqs, loss_norm_tokens=loss_norm_tokens)
+    loss = agg(torch.where(kept, pg * weight, 0.0))
+    entropy = None if entropy_T is None else torch.where(mask, entropy_T.to(dtype), 0.0)
+    if entropy_coef:
+        loss = loss - entropy_coef * agg(entropy)
+    kl = None
+    if ref_logprobs_T is not None:  # positions off the mask get log-ratio 0: k3's exp stays finite
+        kl = torch.where(mask, kl_estimate(torch.where(mask, logp, 0.0),
+                                           torch.where(mask, ref_logprobs_T.to(dtype), 0.0), kl_estimator), 0.0)
+        if kl_coef:
+            loss = loss + kl_coef * agg(kl)
 
     with torch.no_grad():
         k = kept.float()
@@ -182,7 +203,25 @@ def ppo_actor_loss(
         }
         if truncate:
             stats["truncated_tokens"] = truncated.float().sum()
+        if entropy is not None:
+            stats["entropy_sum"] = entropy.detach().sum()
+        if kl is not None:
+            stats["ref_kl_sum"] = kl.detach().sum()
     return loss, stats
+
+
+def _aggregate(token_T: torch.Tensor, *, mask, seq, loss_agg_mode, num_global_tokens, num_global_seqs,
+               loss_norm_tokens) -> torch.Tensor:
+    """``loss_agg_mode`` of per-token terms that are 0 off the loss tokens (docstring of
+    ``ppo_actor_loss``); ``seq`` is the batch's ``_Segments`` (None for token-mean)."""
+    if loss_agg_mode == "token-mean":
+        return token_T.sum() / num_global_tokens
+    per_seq_B = seq.sum(token_T)
+    if loss_agg_mode == "seq-mean-token-mean":  # |y_i| = 0 only where the sum is 0
+        per_seq_B = per_seq_B / seq.sum(mask.to(token_T.dtype)).clamp(min=1.0)
+    elif loss_agg_mode == "seq-mean-token-sum-norm":
+        per_seq_B = per_seq_B / loss_norm_tokens
+    return per_seq_B.sum() / num_global_seqs
 
 
 class _Segments:
@@ -280,7 +319,8 @@ def loglinear_gap_stats(proximal_logprobs_T: torch.Tensor, loglinear_T: torch.Te
 _MAX_KEYS = ("behav_imp_weight_max", "loglinear_gap_max")
 _OWN_KEYS = ("loss_tokens", "kept_tokens", "dropped_tokens", "cap_masked_tokens", "nonfinite_tokens",
              "clipped_tokens", "dual_clipped_tokens", "approx_kl_sum", "approx_kl_k3_sum",
-             "behav_imp_weight_sum", "truncated_tokens", "loss", *_MAX_KEYS)  # "loss": the actor's, reported apart
+             "behav_imp_weight_sum", "truncated_tokens", "entropy_sum", "ref_kl_sum", "loss",
+             *_MAX_KEYS)  # "loss": the actor's, reported apart
 
 
 def reduce_ppo_stats(
@@ -291,8 +331,9 @@ def reduce_ppo_stats(
     Call once per step (it syncs with the host). ``behav_dropped_ratio`` (non-finite or
     over-cap, of which ``cap_masked_ratio`` over the cap and ``nonfinite_ratio`` not
     finite) is over the loss tokens, as is ``behav_truncated_ratio`` (weights cut to the
-    cap, ``behav_imp_weight_mode="truncate"`` only); the other ratios are over the kept
-    tokens. Keys the
+    cap, ``behav_imp_weight_mode="truncate"`` only), and so are the means ``entropy`` and
+    ``ref_kl`` (when the loss got θ's entropy or the reference logprobs); the other ratios
+    are over the kept tokens. Keys the
     caller added to the stats (e.g. ``empty_responses``) come back as totals.
     """
     keys = sorted(stats[0])
@@ -308,9 +349,13 @@ def reduce_ppo_stats(
     kept = max(total["kept_tokens"], 1.0)
     extra = {k: v for k, v in total.items() if k not in _OWN_KEYS and not k.startswith("loglinear_gap")}
     truncated = {"behav_truncated_ratio": total["truncated_tokens"] / n} if "truncated_tokens" in total else {}
+    # means over the loss tokens, when the loss was given the tensors
+    regularisers = {name: total[key] / n for name, key in (("entropy", "entropy_sum"), ("ref_kl", "ref_kl_sum"))
+                    if key in total}
     return {
         **extra,
         **truncated,
+        **regularisers,
         **_loglinear_gap(total),
         "loss_tokens": total["loss_tokens"],
         "behav_dropped_ratio": total["dropped_tokens"] / n,

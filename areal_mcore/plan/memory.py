@@ -23,7 +23,10 @@ pp - rank - 1, plus the one in its steady state); the last stage also holds the 
 [T, Vp/t] (saved by the logprob kernel) and, in the backward, their gradient.
 Model state per rank with megatron's DistributedOptimizer and our DDP settings
 (grad_reduce_in_fp32): weights b·N, fp32 grad buffer 4N, fp32 main params 4N/dp (when b
-< 4) and Adam moments 8N/dp, N = parameters on this TP rank of this stage.
+< 4) and Adam moments 8N/dp, N = parameters on this TP rank of this stage. With a KL
+reference model (``ppo.kl_coef`` > 0) another b·N: the same architecture sharded the same
+way, parameters only (``MegatronActor.build_frozen_model``); its forward runs before
+training, so its activations never coexist with the training step's.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class TrainerShape:
     vocab_divisible_by: int = 128
     weight_sync_bytes: int = 0
     margin_bytes: int = 0
+    reference_model: bool = False  # ppo.kl_coef > 0: a frozen copy of the weights
 
     @property
     def s(self) -> int:
@@ -159,6 +163,7 @@ def trainer_rank(args: ModelArgs, shape: TrainerShape, stage: int) -> RankPlan:
     last = stage == shape.pp - 1
     terms = {
         "weights": n * b,
+        "ref_weights": n * b if shape.reference_model else 0.0,
         "grads": 4.0 * n,
         "main_params": 4.0 * n / shape.dp if b < 4 else 0.0,
         "optimizer": 8.0 * n / shape.dp,

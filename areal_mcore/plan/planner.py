@@ -65,7 +65,8 @@ def trainer_shape(cfg, gpu_bytes: float) -> TrainerShape:
         first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
         tokens_per_mb=a.mb_spec.max_tokens_per_mb, dtype_bytes=_DTYPE_BYTES[a.dtype],
         path="local" if a.layer_spec == "local" else "te", vocab_divisible_by=a.vocab_divisible_by,
-        weight_sync_bytes=int(sync), margin_bytes=int(cfg.plan.margin_gb * GiB))
+        weight_sync_bytes=int(sync), margin_bytes=int(cfg.plan.margin_gb * GiB),
+        reference_model=cfg.ppo.uses_reference)
 
 
 def server_shape(cfg, gpu_bytes: float) -> ServerShape | None:

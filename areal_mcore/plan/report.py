@@ -5,7 +5,7 @@ from __future__ import annotations
 from areal_mcore.plan.memory import GiB
 from areal_mcore.plan.planner import Plan, make_plan
 
-_TERMS = ("weights", "grads", "main_params", "optimizer", "activations", "logits_grad",
+_TERMS = ("weights", "ref_weights", "grads", "main_params", "optimizer", "activations", "logits_grad",
           "weight_sync", "margin")
 
 

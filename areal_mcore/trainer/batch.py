@@ -6,7 +6,10 @@ Per sequence: DAPO's overlong penalty p(|y|) added to the raw reward r (off by d
 reward transform ((r + p + bias) * scaling, clipped), reward normalisation
 (boba: per group of n_samples), then GAE over the response tokens (boba: γ = λ = 1 and no
 critic, so every response token gets the sequence's normalised reward), then advantage
-normalisation over all response tokens of the batch on every data-parallel rank.
+normalisation over all response tokens of the batch on every data-parallel rank. With
+``ppo.kl_in: reward`` each response token's reward also loses ``kl_coef`` · k(prox, ref)
+before GAE, which is why the loop packs first (``pack_rollout``), scores the batch with
+the proximal and reference models, then adds the advantages (``add_advantages``).
 Logprobs follow the actor's convention: position t holds log p(token t | tokens < t),
 so the response tokens are the loss tokens and prompt positions hold 0; with
 ``ppo.mask_truncated_samples`` a truncated sample's (finish_reason length) are not.
@@ -20,7 +23,13 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from areal_mcore.algo import gae_packed, normalize, overlong_penalty, transform_reward
+from areal_mcore.algo import (
+    gae_packed,
+    kl_reward_penalty,
+    normalize,
+    overlong_penalty,
+    transform_reward,
+)
 from areal_mcore.algo.config import PPOConfig
 from areal_mcore.packing import PackedBatch, pack
 from areal_mcore.trainer.dispatch import RolloutShard
@@ -42,6 +51,14 @@ def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | Non
     ``samples`` may also be a ``RolloutShard`` (what ``Dispatcher`` delivers): the batch is
     then built on the shard's device (the GPU under NCCL).
     """
+    batch, rewards_B = pack_rollout(samples, ppo, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of)
+    return add_advantages(batch, rewards_B, ppo, dp_group=dp_group)
+
+
+def pack_rollout(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | None = None,
+                 pad_to_multiple_of: int = 1) -> tuple[PackedBatch, torch.Tensor]:
+    """``to_train_batch`` without the advantages: the packed batch (no ``adv`` field yet)
+    and each sequence's shaped, normalised reward."""
     shard = samples if isinstance(samples, RolloutShard) else RolloutShard.from_samples(samples)
     seqs, fields = _per_sequence(shard)
     batch = pack(seqs, fields, pad_to_multiple_of=pad_to_multiple_of)
@@ -59,9 +76,21 @@ def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | Non
         rewards_B = torch.zeros(1, device=shard.tokens.device)  # the placeholder's; no loss token carries it
     if ppo.mask_truncated_samples and shard.num_samples:
         batch.fields["loss_mask"] &= _per_token(batch, shard.truncated == 0)
+    return batch, rewards_B
+
+
+def add_advantages(batch: PackedBatch, rewards_B: torch.Tensor, ppo: PPOConfig, *,
+                   dp_group: dist.ProcessGroup | None = None) -> PackedBatch:
+    """``batch`` with field ``adv``: GAE of ``rewards_B`` (``pack_rollout``'s), minus the KL
+    penalty per token with ``ppo.kl_in: reward`` (it reads fields ``prox`` and ``ref``),
+    then the advantage normalisation over the DP group."""
     mask_T = batch.fields["loss_mask"]
+    penalty_T = None
+    if ppo.uses_reference and ppo.kl_in == "reward":  # no gradient: these are rewards
+        f = batch.fields
+        penalty_T = -ppo.kl_coef * kl_reward_penalty(f["prox"], f["ref"], mask_T, ppo.kl_estimator)
     adv_T, _ = gae_packed(rewards_B, batch.cu_seqlens_padded, gamma=ppo.discount, lam=ppo.gae_lambda,
-                          loss_mask_T=mask_T, kernel=ppo.gae_kernel)
+                          loss_mask_T=mask_T, token_rewards_T=penalty_T, kernel=ppo.gae_kernel)
     if ppo.adv_norm is not None:
         adv_T = normalize(adv_T, **dataclasses.asdict(ppo.adv_norm), mask=mask_T, group=dp_group)
     batch.fields["adv"] = adv_T

@@ -41,22 +41,24 @@ from areal_mcore.convert.save_hf import save_hf
 from areal_mcore.rollout.protocol import RolloutError
 from areal_mcore.run_dir import RunDir
 from areal_mcore.trainer import stats as S
-from areal_mcore.trainer.batch import to_train_batch
+from areal_mcore.trainer.batch import add_advantages, pack_rollout
 from areal_mcore.trainer.dispatch import Dispatcher
 from areal_mcore.trainer.event_loop import LoopThread
 from areal_mcore.trainer.rollout_side import RolloutSide
 from areal_mcore.weight_sync import weight_syncer
 
 
-def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens, num_global_seqs):
+def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens, num_global_seqs, *, entropy_T=None):
     """The actor's loss: clipped PPO against the proximal logprobs (``prox_logp_method``:
     recomputed before training; AReaL's log-linear interpolation with the proximal weights
     at ``version`` = this step's index, our version labels, see
     ``algo.loglinear_proximal_logprobs``; recomputed and measured against that
     interpolation, ``metrics``; or θ's own detached logprobs, ``reuse_train_logp``), with
     the behaviour (rollout) logprobs in the decoupled form when configured, and the loss options of ``ppo`` (aggregation,
-    importance-sampling level, behaviour-weight level and mode); also counts the batch's
-    empty responses."""
+    importance-sampling level, behaviour-weight level and mode), the entropy bonus on θ's
+    ``entropy_T`` and, with a reference model (field ``ref``), the KL loss term
+    (``kl_in: loss``; with ``kl_in: reward`` the KL is in the advantages and only logged
+    here); also counts the batch's empty responses."""
     f, method, extra = mb.fields, ppo.prox_logp_method, {}
     if method in ("recompute", "metrics"):
         prox = f["prox"]
@@ -74,7 +76,9 @@ def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens, nu
         behav_imp_weight_cap=ppo.behav_imp_weight_cap, cu_seqlens_B1=mb.cu_seqlens_padded,
         num_global_seqs=num_global_seqs, loss_agg_mode=ppo.loss_agg_mode, loss_norm_tokens=ppo.loss_norm_tokens,
         importance_sampling_level=ppo.importance_sampling_level,
-        behav_imp_weight_level=ppo.behav_imp_weight_level, behav_imp_weight_mode=ppo.behav_imp_weight_mode)
+        behav_imp_weight_level=ppo.behav_imp_weight_level, behav_imp_weight_mode=ppo.behav_imp_weight_mode,
+        entropy_T=entropy_T, entropy_coef=ppo.entropy_coef, ref_logprobs_T=f.get("ref"),
+        kl_coef=ppo.kl_coef if ppo.kl_in == "loss" else 0.0, kl_estimator=ppo.kl_estimator)
     return loss, {**stats, **extra, "empty_responses": f["empty_response"].sum()}
 
 
@@ -97,16 +101,21 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                 break
             samples, rollout_stats = got
             with phase("advantages"):
-                batch = to_train_batch(samples, ppo, dp_group=run.actor.groups.dp)
+                batch, rewards_B = pack_rollout(samples, ppo, dp_group=run.actor.groups.dp)
             temperature = cfg.rollout.temperature  # score what the servers sampled from
             if ppo.prox_logp_method in ("recompute", "metrics"):
                 with phase("recompute"):  # π_prox before the update
                     batch.fields["prox"] = run.actor.compute_logprobs(batch, temperature=temperature)
                 rollout_stats = {**rollout_stats, **run.check_drift(step, batch)}  # may end the run
+            if run.ref_model is not None:
+                with phase("reference"):  # the frozen π_ref, at the same temperature
+                    batch.fields["ref"] = run.actor.compute_logprobs(batch, temperature, model=run.ref_model)
+            with phase("advantages"):  # after the forwards: kl_in=reward's penalty needs them
+                add_advantages(batch, rewards_B, ppo, dp_group=run.actor.groups.dp)
             with phase("train"):
                 train_stats = run.actor.train_batch(batch, partial(ppo_loss, ppo, step), ppo.ppo_n_minibatches,
                                                     reduce_stats=reduce_ppo_stats, temperature=temperature,
-                                                    step=step + 1)
+                                                    step=step + 1, entropy=True)
             # <run>/STOP, SIGUSR2 or SIGTERM: the step is checkpointed at once, without its
             # weight sync and eval (a resumed run syncs first, and evaluates a step it skipped).
             stop = run.stop_requested(step + 1)
@@ -176,6 +185,9 @@ class PPORun:
         self.actor = MegatronActor(cfg.actor, AutoConfig.from_pretrained(cfg.model_path), seed=cfg.seed,
                                    total_optimizer_steps=cfg.trainer.total_steps * cfg.ppo.ppo_n_minibatches)
         self.actor.load_hf_state_dict(load_hf_state_dict(cfg.model_path))
+        # The KL's frozen reference policy: parameters only, sharded like the actor.
+        self.ref_model = (self.actor.build_frozen_model(load_hf_state_dict(cfg.ppo.ref_model_path or cfg.model_path))
+                          if cfg.ppo.uses_reference else None)
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)
         # Where the other ranks wait for rank 0 (server start-up, rollouts, evals): gloo, with
         # the config's timeout. On the NCCL world they would be aborted by its 10 min watchdog.
