@@ -261,8 +261,14 @@ def test_sync_dynamic_sampling_run_trains_only_mixed_groups(assets, tmp_path):
 @pytest.mark.slow
 @pytest.mark.server
 def test_async_dynamic_sampling_run_trains_only_mixed_groups_within_staleness(assets, tmp_path):
+    # This run also carries the KL to the frozen reference and the entropy bonus (issue 33),
+    # whose maths tests/test_kl_entropy.py checks: here, that the loop wires them.
     rows, run_dir = _dapo_run(assets, tmp_path, "dapo_async", "trainer.mode=async",
-                              "rollout.max_head_offpolicyness=1", "ppo.use_decoupled_loss=true")
+                              "rollout.max_head_offpolicyness=1", "ppo.use_decoupled_loss=true",
+                              "ppo.kl_coef=0.1", "ppo.kl_estimator=k3", "ppo.entropy_coef=0.01")
     _check_dapo_run(rows, run_dir)
+    kl = [r["train/ref_kl"] for r in rows]
+    assert kl[0] == 0.0 and 0.0 < kl[1] < kl[2]  # π_ref is the initial policy; θ moves away from it
+    assert all(0.0 < r["train/entropy"] <= math.log(512) and r["time/reference_s"] > 0 for r in rows)
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
     assert all(r["sync/server_versions"] == [str(r["step"])] for r in rows)
