@@ -1,0 +1,90 @@
+"""Does this vLLM serve an architecture exactly? ``python tools/check_vllm_arch.py qwen3|llama3``
+
+Builds a tiny random HF model of the architecture (head_dim 32: vLLM's CPU attention
+refuses 16), starts one vLLM server on it through our launcher (``.venv-vllm``, eager, fp32)
+and compares 12 greedy tokens and their logprobs with transformers'. The llama3 prompt is
+100 tokens long and its q/k projections are scaled up, so that a RoPE without Llama 3.1's
+frequency scaling would change the answer. Prints the tokens and the largest logprob gap;
+exits 1 when the tokens differ or the gap is over 1e-4. A one-off check of an engine
+version (issue 32), not part of the suite: each architecture costs a server start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+
+import torch
+
+SHAPE = dict(vocab_size=250, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+             eos_token_id=249)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def tiny(arch: str, path: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    if arch == "qwen3":
+        cfg = Qwen3Config(**SHAPE, head_dim=32, max_position_embeddings=256, rope_theta=10000.0)
+    else:
+        cfg = LlamaConfig(**SHAPE, max_position_embeddings=131072, rope_parameters=LLAMA3_ROPE)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():  # norms off 1 (Qwen3's q/k norms must be loaded), sharp attention
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if arch == "llama3" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+    model.generation_config.eos_token_id = 249
+    model.save_pretrained(path)
+    return model
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("arch", choices=["qwen3", "llama3"])
+    a = p.parse_args()
+    from areal_mcore.rollout.config import ServerConfig
+    from areal_mcore.rollout.engines.options import VLLMOptions
+    from areal_mcore.rollout.servers import launch_servers
+
+    root = tempfile.mkdtemp(prefix=f"check_vllm_{a.arch}_")
+    model = tiny(a.arch, f"{root}/model")
+    prompt = [3, 14, 15, 92, 65] * (20 if a.arch == "llama3" else 1)
+    cfg = ServerConfig(model_path=f"{root}/model", backend="vllm", n_servers=1, log_dir=f"{root}/logs",
+                       dtype="float32", context_length=256, startup_timeout_s=900,
+                       vllm=VLLMOptions(enforce_eager=True))
+    started = time.monotonic()
+    (server,) = launch_servers(cfg, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        print(f"vLLM started in {time.monotonic() - started:.0f} s (logs in {root}/logs)")
+        body = {"token_ids": prompt, "request_id": "check", "sampling_params": {
+            "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 0, "detokenize": False}}
+        req = urllib.request.Request(f"http://{server.address}/inference/v1/generate", method="POST",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            choice = json.loads(r.read())["choices"][0]
+    finally:
+        server.stop(grace_s=10)
+    ids = choice["token_ids"]
+    served = torch.tensor([c["logprob"] for c in choice["logprobs"]["content"]])
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                              eos_token_id=None)[0, len(prompt):].tolist()
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+        ref = logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+    gap = float((served - ref).abs().max())
+    print(f"vLLM greedy:         {ids}\ntransformers greedy: {want}\nlargest logprob gap: {gap:.2e}")
+    return 0 if ids == want and gap <= 1e-4 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
