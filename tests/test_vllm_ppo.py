@@ -46,6 +46,11 @@ def test_a_short_tiny_ppo_run_on_vllm_raises_held_out_accuracy(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     # Every step's weights reached vLLM: the server reports the step's version.
     assert all(r["sync/server_versions"] == [str(r["step"])] for r in rows)
+    # ... and vLLM serves them: its logprobs equal the trainer's (fp32) on the tokens the
+    # pushed weights sampled. The tiny model's embeddings are tied, whose LM head vLLM-CPU
+    # kept at the first weights until the plugin re-packed it (plugins/: 2e-3 at step 2).
+    gaps = [r["drift/gap_mean_abs_stale0"] for r in rows if "drift/gap_mean_abs_stale0" in r]
+    assert len(gaps) >= STEPS // 2 and max(gaps) < 1e-4, gaps
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, STEPS]
     assert all(e["eval/n_samples"] == 200 * 8 for e in evals)  # 200 held-out problems x 8 samples

@@ -74,6 +74,29 @@ def join_group(info: GlooInitInfo, rank: int) -> dist.ProcessGroup:
     return pg
 
 
+def refresh_tied_lm_head(model: torch.nn.Module, model_config) -> None:
+    """Re-packs a tied LM head's CPU GEMM from the embedding just loaded.
+
+    On CPU, ``UnquantizedEmbeddingMethod.process_weights_after_loading`` gives the LM head a
+    ``cpu_linear`` over a packed copy of its weight (``layers/utils.py:
+    dispatch_cpu_unquantized_gemm``: sgl-kernel ``convert_weight_packed`` or a oneDNN
+    handler). A tied model's checkpoint has no ``lm_head.weight``, so the layerwise reload
+    loads nothing into the head ("ParallelLMHead: Failed to load weights" in vLLM's log),
+    puts its old tensors back (``layerwise.py: finalize_layerwise_processing``) and never
+    re-packs: the embedding changed, the logits kept the first weights (measured: greedy
+    logprobs off the trainer's by 0.76 after one sync). The head's weight is the
+    embedding's storage, which the reload updated in place, so packing it again is all
+    that is missing. On GPU the method keeps no copy (the branch is CPU only)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.platforms import current_platform
+
+    if not (current_platform.is_cpu() and getattr(model_config.hf_config, "tie_word_embeddings", False)):
+        return
+    for layer in model.modules():
+        if isinstance(layer, ParallelLMHead) and hasattr(layer, "cpu_linear"):
+            layer.quant_method.process_weights_after_loading(layer)
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -105,6 +128,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied_lm_head(self.model, self.model_config)
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(); gloo on CPU has
