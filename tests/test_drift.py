@@ -57,10 +57,12 @@ def test_identical_logprobs_give_zero_gap_and_no_loss_tokens_give_zeros():
 
 
 def test_the_drift_alarm_is_off_by_default_needs_a_positive_gap_and_the_recomputed_proximal():
-    from areal_mcore.config import ConfigError, ExperimentConfig, load_config
+    from areal_mcore.config import ConfigError, load_config
+    from areal_mcore.trainer.config import TrainerConfig
 
     tiny = Path(__file__).parents[1] / "configs" / "tiny_cpu.yaml"
-    assert load_config(tiny, schema=ExperimentConfig).trainer.max_rollout_logprob_gap is None
+    assert TrainerConfig(total_steps=1, batch_size=1).max_rollout_logprob_gap is None
+    assert load_config(tiny).trainer.max_rollout_logprob_gap == 0.01  # the tiny run turns it on
     with pytest.raises(ConfigError, match=r"trainer.max_rollout_logprob_gap=-1.0 must be > 0"):
         load_config(tiny, ["trainer.max_rollout_logprob_gap=-1"])
     for method in ("loglinear", "reuse_train_logp"):  # no proximal forward pass to compare with
