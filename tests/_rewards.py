@@ -6,8 +6,10 @@ from __future__ import annotations
 
 def parity_reward(prompt, completion, prompt_ids, completion_ids, solutions, **fields):
     """1.0 for an odd number of completion tokens, 0.0 for an even one; raises on a multiple
-    of 4 (a buggy reward: the sample scores 0.0 and is counted in reward/errors)."""
+    of 4 (a buggy reward: the sample scores 0.0 and is counted in reward/errors). The
+    dataset row's other columns arrive as fields (the tiny task's ``level``), with ``source``."""
     assert prompt and isinstance(prompt_ids[0], int) and solutions and fields["source"]
+    assert isinstance(fields["level"], int), fields
     if len(completion_ids) % 4 == 0:
         raise RuntimeError(f"{len(completion_ids)} tokens")
     return float(len(completion_ids) % 2)

@@ -50,13 +50,24 @@ def test_qa_and_messages_formats_map_their_fields(tmp_path):
     qa = _file(tmp_path, [json.dumps({"question": "2+2?", "answer": "4"}).encode()])
     (p,), _ = load_problems(DatasetConfig(path=str(qa), format="qa", prompt_key="question",
                                           solutions_key="answer"))
-    assert (p.prompt, p.solutions) == ("2+2?", ("4",))
+    assert (p.prompt, p.solutions) == ("2+2?", ("4",)) and p.fields == {}
     msgs = tmp_path / "m.jsonl"
     msgs.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "solutions": ["1"]}) + "\n")
     (m,), _ = load_problems(DatasetConfig(path=str(msgs), format="messages", prompt_key="messages"))
     assert m.prompt == (("user", "hi"),)
     with pytest.raises(ValueError, match="format='csv'"):
         DatasetConfig(path="x", format="csv")
+
+
+def test_a_rows_other_columns_become_the_reward_fns_fields():
+    import datetime
+
+    from areal_mcore.data.jsonl import row_fields
+
+    row = {"question": "q", "answer": "4", "difficulty": 3, "tags": ["a"], "solutions": "x", "source": "y",
+           "when": datetime.date(2026, 1, 2)}
+    # Not the columns the format read, nor reward.fn's own argument names; JSON or its str.
+    assert row_fields(row, {"question", "answer"}) == {"difficulty": 3, "tags": ["a"], "when": "2026-01-02"}
 
 
 def test_synthetic_task_is_seeded_correct_and_loads(tmp_path):

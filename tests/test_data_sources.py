@@ -54,6 +54,7 @@ def test_every_form_loads_the_same_problems_and_prompts(tmp_path):
         got = load_problems(cfg)[0]
         assert [(p.prompt, p.solutions) for p in got] == [(p.prompt, p.solutions) for p in ref], name
         assert [p.input_ids for p in prompts_for(cfg, tok).prompts] == ref_ids, name
+        assert [p.fields for p in got] == [{"level": r["level"]} for r in rows], name  # for reward.fn
     assert load_problems(DatasetConfig(path=forms["parquet"]))[0][2].source == f"{forms['parquet']} row 3"
     with pytest.raises(ValueError, match=r"has splits \['test'\], not split='train': set dataset.split"):
         load_problems(DatasetConfig(path=forms["saved_dict"]))

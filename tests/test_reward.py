@@ -167,7 +167,7 @@ def test_a_dotted_path_reward_gets_prompt_and_ids_and_its_raises_score_zero_and_
     from areal_mcore.reward.pool import RewardCounts, RewardItem
 
     items = [RewardItem(prompt="p", completion="c", prompt_ids=[1, 2], completion_ids=[5] * n,
-                        solutions=["1"], fields={"source": "f:1"}) for n in (1, 2, 4)]
+                        solutions=["1"], fields={"source": "f:1", "level": 0}) for n in (1, 2, 4)]
     counts = RewardCounts()
     with RewardPool(RewardPoolConfig(fn="_rewards:parity_reward", num_workers=1)) as pool:
         assert pool.score_items(items, counts) == [1.0, 0.0, 0.0]  # 4 tokens: it raised

@@ -73,6 +73,29 @@ class Problem:
     solutions: tuple[str, ...]
     source: str  # file:line
     choices: tuple[str, ...] = ()  # mc: the options; solutions hold the gold letter
+    # The row's other columns, for reward.fn's **fields (see ``row_fields``).
+    fields: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+# reward.fn's own arguments (reward/fn.py): a column of one of these names is not passed on.
+RESERVED_FIELDS = frozenset({"prompt", "completion", "prompt_ids", "completion_ids", "solutions", "source",
+                             "timeout_s"})
+
+
+def row_fields(row: dict, used: set[str]) -> dict:
+    """The row's columns the format did not read, as JSON values (they travel to the reward
+    workers as JSON): a value JSON cannot hold (a date from Parquet, say) is passed as its
+    ``str``; columns named like reward.fn's own arguments are left out."""
+    out = {}
+    for key, value in row.items():
+        if key in used or key in RESERVED_FIELDS or not isinstance(key, str):
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            value = str(value)
+        out[key] = value
+    return out
 
 
 @dataclass
@@ -144,7 +167,9 @@ def _parse_row(row, cfg: DatasetConfig, where: str) -> Problem:
         prompt = tuple((m["role"], m["content"]) for m in prompt)
     elif not isinstance(prompt, str) or not prompt.strip():
         raise DatasetError(f"{where}: {cfg.prompt_key!r} must be a non-empty string")
-    return Problem(prompt=prompt, solutions=tuple(solutions), source=where, choices=choices)
+    used = {cfg.prompt_key, cfg.solutions_key} | ({cfg.choices_key} if cfg.format == "mc" else set())
+    return Problem(prompt=prompt, solutions=tuple(solutions), source=where, choices=choices,
+                   fields=row_fields(row, used))
 
 
 def _choices(value, key: str, where: str) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ own one scored 0.07 on a model the run had just measured at 0.51).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from areal_mcore.data.jsonl import LETTERS, DatasetConfig, Problem, load_problems
 
@@ -26,6 +26,7 @@ class Prompt:
     input_ids: list[int]
     solutions: tuple[str, ...]
     source: str
+    fields: dict = field(default_factory=dict, compare=False)  # the row's other columns (reward.fn)
 
 
 def render_choices(question: str, choices: tuple[str, ...]) -> str:
@@ -119,5 +120,5 @@ def build_prompts(problems: list[Problem], tokenizer, *, max_prompt_tokens: int 
         if len(ids) > max_prompt_tokens:
             dropped += 1
             continue
-        prompts.append(Prompt(input_ids=ids, solutions=p.solutions, source=p.source))
+        prompts.append(Prompt(input_ids=ids, solutions=p.solutions, source=p.source, fields=p.fields))
     return prompts, dropped

@@ -3,8 +3,8 @@
 A reward function is called once per sample inside a reward worker (``reward/worker.py``)
 as ``fn(prompt, completion, prompt_ids, completion_ids, solutions, **fields) -> float``:
 ``prompt`` and ``completion`` are the decoded texts, the ids are the token ids the servers
-saw and sampled, ``solutions`` the problem's gold answers and ``fields`` the prompt's other
-fields (today ``source``: the dataset's ``file:line``). A function that also names a
+saw and sampled, ``solutions`` the problem's gold answers and ``fields`` the dataset row's
+other columns (``data/jsonl.py: row_fields``) and ``source``, the row's ``file:line``. A function that also names a
 ``timeout_s`` parameter gets the worker's inner timeout (a third of ``reward.timeout_s``),
 as boba's math-verify check does. The path is imported and its signature checked when the
 config loads, so a typo fails there, naming the key, not in a worker mid-run.

@@ -168,7 +168,7 @@ class RolloutController:
         text = self.decode(prompt.input_ids)
         items = [RewardItem(prompt=text, completion=self.decode(c.output_ids), prompt_ids=list(prompt.input_ids),
                             completion_ids=list(c.output_ids), solutions=list(prompt.solutions),
-                            fields={"source": prompt.source}) for c in comps]
+                            fields={**prompt.fields, "source": prompt.source}) for c in comps]
         async with self._reward_lock:
             rewards = await self.reward_fn(items)
         samples = [Sample(group=gid, prompt_ids=list(prompt.input_ids), output_ids=c.output_ids,
