@@ -39,7 +39,9 @@ class ClientConfig:
     max_attempts: int = 4  # servers tried for one chunk before giving up
     retry_delay_s: float = 0.2
     api_key: str | None = None
-    max_connections: int = 1024
+    # Generation connections, one per request in flight; 0: no cap (the caller bounds its
+    # requests: the trainer passes rollout.max_connections, eval its own concurrency).
+    max_connections: int = 0
     # Idle connections are dropped after this: uvicorn (vLLM's and SGLang's server) closes
     # idle keep-alive connections after 5 s, and a request sent on one it is closing fails
     # with "Connection reset by peer" (seen on /init_weight_transfer_engine after a pause).
@@ -56,6 +58,8 @@ class ClientConfig:
             raise ValueError("rollout.client.addresses is empty: launch servers first")
         if self.max_attempts < 1:
             raise ValueError("rollout.client.max_attempts must be >= 1")
+        if self.max_connections < 0:
+            raise ValueError(f"max_connections={self.max_connections} must be >= 0 (0: no cap)")
 
 
 @dataclass

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-from areal_mcore.checks import check_positive
+from areal_mcore.checks import check_positive, field_error
 from areal_mcore.data.prompts import Prompt
 from areal_mcore.reward.pool import RewardItem
 from areal_mcore.rollout.client import Completion, RolloutClient
@@ -52,6 +52,10 @@ class RolloutConfig:
     min_new_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     max_concurrent_rollouts: int = 64  # prompt groups in flight
+    # The client's generation connections (one per request in flight). None: exactly the
+    # requests in flight, max_concurrent_rollouts x n_samples; a smaller cap would leave
+    # requests waiting inside the client while the servers have room for them.
+    max_connections: int | None = None
     max_head_offpolicyness: int = 4
     seed: int = 1
     # A server with requests in flight that answered none for stall_after_s and does not
@@ -81,8 +85,23 @@ class RolloutConfig:
         check_positive("stall_after_s", self.stall_after_s)
         check_positive("stall_probe_s", self.stall_probe_s)
         check_positive("max_concurrent_rollouts", self.max_concurrent_rollouts)
+        if self.max_connections is not None and self.max_connections < self.in_flight:
+            raise field_error("max_connections", self.max_connections,
+                              f"is below the requests in flight, max_concurrent_rollouts x n_samples = "
+                              f"{self.max_concurrent_rollouts} x {self.n_samples} = {self.in_flight}: "
+                              f"raise it to at least {self.in_flight}, or null (follows them)")
         check_positive("max_head_offpolicyness", self.max_head_offpolicyness, allow_zero=True)
         check_positive("min_new_tokens", self.min_new_tokens, allow_zero=True)
+
+    @property
+    def in_flight(self) -> int:
+        """The most generate requests in flight at once (one per sample of each group)."""
+        return self.max_concurrent_rollouts * self.n_samples
+
+    @property
+    def connections(self) -> int:
+        """The client's generation connection limit (``max_connections``, resolved)."""
+        return self.in_flight if self.max_connections is None else self.max_connections
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,

@@ -57,6 +57,7 @@ class RolloutSide:
         self.reward_counts, self._counted = RewardCounts(), RewardCounts()
         self.client = RolloutClient(ClientConfig(addresses=self.addresses, api_key=cfg.server.api_key,
                                                  backend=cfg.server.backend,
+                                                 max_connections=cfg.rollout.connections,
                                                  stall_after_s=cfg.rollout.stall_after_s,
                                                  stall_probe_s=cfg.rollout.stall_probe_s,
                                                  slow_factor=cfg.rollout.slow_request_factor,
