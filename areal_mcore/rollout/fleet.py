@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,7 +133,7 @@ class Fleet:
                     raise kind(f"{s.address}{path}: HTTP {r.status}: {text[:500]}", [s.address])
                 if not parse or not text or r.content_type != "application/json":
                     return text  # e.g. flush_cache answers in plain text
-                return await r.json()
+                return json.loads(text)  # r.json() would decode the body a second time
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
             timed_out = isinstance(e, asyncio.TimeoutError)
             s.healthy = timed_out
