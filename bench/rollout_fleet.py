@@ -39,7 +39,7 @@ from aiohttp import web
 
 from areal_mcore.data.prompts import Prompt
 from areal_mcore.plan.lengths import boba_lengths
-from areal_mcore.rollout.client import ClientConfig, RolloutClient
+from areal_mcore.rollout.client import ClientConfig, RolloutClient, relax_gc
 from areal_mcore.rollout.controller import RolloutConfig, RolloutController
 from areal_mcore.rollout.protocol import SamplingParams
 
@@ -357,6 +357,7 @@ async def _drive(case: Case, fleet: SimFleet, model: EngineModel) -> dict:
     async def reward(items):
         return [float(i % 2) for i in range(len(items))]
 
+    relax_gc()  # as the trainer's rank 0 does
     connections = case.client_cap or rollout.connections
     client = RolloutClient(ClientConfig(addresses=fleet.addresses, max_connections=connections, backend="sglang"))
     async with client:

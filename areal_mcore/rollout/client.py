@@ -78,17 +78,20 @@ class _Retryable(Exception):
     pass
 
 
-# Python's cyclic GC at its default gen-0 threshold (700 new container objects) runs
-# several collections per response (each token's logprob arrives as a JSON list), and with
-# thousands of requests in flight their objects survive into the old generations, which the
-# collector then walks again and again: in bench/rollout_fleet.py at 4,096 requests in flight
-# the client spent ~3 ms of GC per response, the event loop saturated and the servers ran
-# at 28 % of their concurrency (99 % with this). Objects alive at start (modules, the
-# model on rank 0) are frozen out of the collector's walks; collections stay, 70x rarer.
 GC_THRESHOLD = 50_000
 
 
-def _relax_gc() -> None:
+def relax_gc() -> None:
+    """For a process whose event loop runs a client at scale (the trainer's rank 0, eval).
+
+    Python's cyclic GC at its default gen-0 threshold (700 new container objects) runs
+    several collections per response (each token's logprob arrives as a JSON list), and
+    with thousands of requests in flight their objects survive into the old generations,
+    which the collector then walks again and again: in bench/rollout_fleet.py at 4,096
+    requests in flight the client spent ~3 ms of GC per response, its event loop saturated
+    and the servers ran at 28 % of their concurrency (99 % with this). Objects alive now
+    (modules, the model) are frozen out of the collector's walks; collections stay, 70x
+    rarer. Process-wide, so the caller decides (the client itself does not)."""
     if gc.get_threshold()[0] < GC_THRESHOLD:
         gc.freeze()
         gc.set_threshold(GC_THRESHOLD, 20, 20)
@@ -121,7 +124,6 @@ class RolloutClient:
         await self.close()
 
     async def start(self) -> None:
-        _relax_gc()
         if self._owns_fleet:
             await self.fleet.start()
             await self.engine.detect_all(self.fleet)
