@@ -95,14 +95,17 @@ class SimServer:
         self.paused = False
         self.retracted = 0
         self.area = 0.0  # running sequences x wall seconds, for the mean occupancy
+        self.tokens = 0.0  # decoded so far (the work done, whatever the batch it lands in)
         self._timer: asyncio.TimerHandle | None = None
 
     # ---- the engine ----------------------------------------------------------------------
     def _advance(self) -> None:
         now = time.monotonic()
         if self.running:
-            self.v += (now - self.last) * self.m.speedup / self.m.step_time(len(self.running))
+            steps = (now - self.last) * self.m.speedup / self.m.step_time(len(self.running))
+            self.v += steps
             self.area += (now - self.last) * len(self.running)
+            self.tokens += steps * len(self.running)
         self.last = now
 
     def _used(self) -> float:
@@ -258,13 +261,14 @@ class SimFleet:
             t.cancel()
         await asyncio.gather(*rest, return_exceptions=True)
 
-    def area(self) -> tuple[float, float]:
-        """(now, running sequences x seconds summed over the servers so far): the mean
-        occupancy between two calls is their difference over the time between, over K."""
+    def area(self) -> tuple[float, float, float]:
+        """(now, running sequences x seconds, tokens decoded), summed over the servers so
+        far: the mean occupancy between two calls is the area's difference over the time
+        between, over K."""
         async def read():
             for s in self.servers:
                 s._advance()
-            return time.monotonic(), sum(s.area for s in self.servers)
+            return time.monotonic(), sum(s.area for s in self.servers), sum(s.tokens for s in self.servers)
         return asyncio.run_coroutine_threadsafe(read(), self._loop).result()
 
     def retracted(self) -> int:
@@ -290,7 +294,7 @@ class ProcessFleet:
         self._conn.send(None)
         self._proc.join(30)
 
-    def area(self) -> tuple[float, float]:
+    def area(self) -> tuple[float, float, float]:
         self._conn.send(("area",))
         return self._conn.recv()
 
@@ -378,13 +382,18 @@ async def _drive(case: Case, fleet: SimFleet, model: EngineModel) -> dict:
     work = sum(tokens[steady])
     busy = min(case.per_server, case.max_running)
     ideal = work / (case.k * model.capacity(busy)) / model.speedup
-    occ = [(a1 - a0) / (t1 - t0) / case.k for (t0, a0), (t1, a1) in itertools.pairwise(areas)]  # per step
+    occ = [(a1 - a0) / (t1 - t0) / case.k for (t0, a0, _), (t1, a1, _) in itertools.pairwise(areas)]  # per step
+    # The same wall against the work decoded in it: a step's batch also holds work done in
+    # the step before (up to max_head_offpolicyness batches are in flight), which the
+    # batch's own tokens (wall_over_ideal) credit to it.
+    decoded = (areas[-1][2] - areas[1][2]) / (case.k * model.capacity(busy)) / model.speedup
     requests = case.steps * case.batch_size * case.n_samples
     return {"case": case.name, "k": case.k, "groups": case.groups, "connections": connections,
             "configured_per_server": case.per_server, "max_running": case.max_running,
             "occupancy_mean": (areas[-1][1] - areas[1][1]) / wall / case.k,
             "occupancy_per_step": [round(x, 1) for x in occ],
-            "wall_over_ideal": wall / ideal, "step_wall_s": wall / (case.steps - 1),
+            "wall_over_ideal": wall / ideal, "wall_over_decoded_ideal": wall / decoded,
+            "step_wall_s": wall / (case.steps - 1),
             "client_cpu_ms_per_request": 1e3 * cpu / requests,
             "client_cpu_us_per_token": 1e6 * cpu / sum(tokens),
             "retracted": fleet.retracted()}
