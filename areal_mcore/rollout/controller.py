@@ -8,8 +8,9 @@ AReaL's capacity rule bounding how stale a sample can be::
                    (max_head_offpolicyness + version + 1) * batch_size - (accepted + running))
 
 The first term counts samples still generating, not groups: a group's samples end at very
-different lengths (boba's longest of 16 is ~2.5x the mean), and a group that held its slot
-until its last sample ended left the servers ~40 % full (``bench/rollout_fleet.py``). So
+different lengths (boba's longest of 16 is ~2.5x the mean), and a group that holds its slot
+until its last sample ends keeps the servers only ~40 % full (mean / longest; an early run
+of ``bench/rollout_fleet.py``, confounded by the client's CPU, showed 28 %). So
 ``max_concurrent_rollouts`` groups' worth of requests stay in flight, and groups (``running``)
 may outnumber it; the staleness term counts groups and is unchanged.
 
