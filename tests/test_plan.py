@@ -11,6 +11,8 @@ from areal_mcore.cli import main
 from areal_mcore.config import load_config
 from areal_mcore.plan import TrainerShape, make_plan, trainer_plan
 from areal_mcore.plan.architectures import resolve_architecture
+from areal_mcore.plan.concurrency import footprint, sequences_per_server
+from areal_mcore.plan.lengths import Lengths, dump_lengths
 from areal_mcore.plan.memory import GiB, server_plan, stage_params
 from areal_mcore.plan.planner import server_shape
 
@@ -131,8 +133,29 @@ def test_server_kv_capacity_follows_sglang_pool_sizing():
     pool = 0.9 * 80 * GiB - 7_615_616_512 * 2
     assert s["kv_tokens"] == int(pool // s["kv_bytes_per_token"])
     assert s["sequences_fit"] == s["kv_tokens"] // (1024 + 27648)
-    # The config's concurrency is sized to that capacity.
-    assert cfg.rollout.max_concurrent_rollouts * cfg.rollout.n_samples <= s["sequences_fit"] * 16
+    # The config's concurrency is sized at expected lengths, past the worst case, and fits.
+    planned = make_plan(cfg).server
+    assert s["sequences_fit"] < planned["sequences_configured"] <= planned["sequences_fit_expected"]
+    assert planned["fits"] and planned["recommended_groups"] == cfg.rollout.max_concurrent_rollouts
+
+
+def test_slot_footprint_of_one_length_is_prompt_plus_half_with_uniform_spread():
+    # A slot on responses of one length L holds p + U x L tokens: mean p + L/2, sd L/sqrt(12).
+    mean, sd = footprint(Lengths((1200,), "one"), 100)
+    assert mean == pytest.approx(700) and sd == pytest.approx(1200 / 12 ** 0.5)
+    # b x 700 + 2 sqrt(b) x 346.4 <= 0.9 x 70,000 -> b = 81 (82 would overrun).
+    assert sequences_per_server(Lengths((1200,), "one"), 100, 70_000, 0.1) == 81
+
+
+def test_plan_lengths_from_a_rollout_dump_and_a_missing_one_named(tmp_path):
+    dump = tmp_path / "rollouts"
+    dump.mkdir()
+    (dump / "step_1.jsonl").write_text("".join(json.dumps({"response_len": n}) + "\n" for n in (100, 30000)))
+    assert dump_lengths(dump, 27648).tokens == (100, 27648)
+    cfg = load_config("configs/boba_7b.yaml", [f"plan.lengths={dump}"])
+    assert make_plan(cfg).server["lengths"].startswith("2 responses")
+    with pytest.raises(FileNotFoundError, match="plan.lengths="):
+        make_plan(load_config("configs/boba_7b.yaml", [f"plan.lengths={tmp_path / 'none'}"]))
 
 
 def test_unknown_architecture_names_the_key():

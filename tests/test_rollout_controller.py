@@ -109,7 +109,7 @@ def test_async_rollout_never_exceeds_max_head_offpolicyness_across_checkpoint_re
             assert ctrl.capacity(bs) == (ofp + 1) * bs
             ctrl.start(iter(_prompts(400, start=state["next_group"])), bs)
             await _train_steps(ctrl, client, model, 4, bs, ofp, seen)
-            assert ctrl.max_running_seen <= cfg.max_concurrent_rollouts
+            assert ctrl.max_generating_seen <= cfg.max_concurrent_rollouts * cfg.n_samples
             await ctrl.stop()
             return ctrl
 

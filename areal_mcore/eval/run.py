@@ -136,7 +136,8 @@ async def _sample(job: EvalJob, addresses: list[str], reward_fn, decode, data) -
     ks = cfg.ks or default_ks(cfg.n_samples)
     rows = []
     async with RolloutClient(ClientConfig(addresses=addresses, api_key=job.server.api_key,
-                                          backend=job.server.backend)) as client:
+                                          backend=job.server.backend,
+                                          max_connections=rollout.connections)) as client:
         for d, prompts, dropped in data:
             t0 = time.perf_counter()
             batch = await RolloutController(rollout, client, reward_fn, decode).rollout_batch(prompts)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from areal_mcore.launcher.allocation import parse_allocation
 from areal_mcore.model.args import ModelArgs
 from areal_mcore.plan.architectures import resolve_architecture
+from areal_mcore.plan.concurrency import concurrency
+from areal_mcore.plan.lengths import boba_lengths, dump_lengths
 from areal_mcore.plan.memory import (
     GiB,
     RankPlan,
@@ -94,9 +96,28 @@ def make_plan(cfg, gpu_memory_gb: float | None = None, *, with_fixes: bool = Tru
     plan = Plan(architecture=source, gpu_bytes=gpu_bytes, dp=trainer_dp(cfg),
                 trainer=trainer_plan(args, trainer_shape(cfg, gpu_bytes)),
                 server=server_plan(args, shape) if shape else None)
+    if plan.server is not None:
+        plan.server.update(rollout_concurrency(cfg, plan.server))
+        # Judged at expected lengths: the engine admits by KV and retracts on overrun, so
+        # the worst case (sequences_fit, every sequence at the full length) is reported only.
+        plan.server["fits"] = plan.server["kv_pool_per_gpu"] > 0 and plan.server["fits_expected"]
     if with_fixes and not plan.fits:
         plan.fixes = fixes(cfg, args, plan, gpu_memory_gb)
     return plan
+
+
+def rollout_concurrency(cfg, server: dict) -> dict:
+    """``plan/concurrency.py`` on this config's servers, lengths and trainer batch."""
+    r, t = cfg.rollout, cfg.trainer
+    lengths = (boba_lengths(r.max_new_tokens) if cfg.plan.lengths is None
+               else dump_lengths(cfg.plan.lengths, r.max_new_tokens))
+    return concurrency(lengths=lengths, prompt_tokens=t.max_prompt_tokens if t else 0,
+                       kv_tokens=server["kv_tokens"], headroom=cfg.plan.kv_headroom,
+                       n_servers=server["n_servers"], n_samples=r.n_samples,
+                       max_running_requests=cfg.server.max_running_requests,
+                       configured_groups=r.max_concurrent_rollouts,
+                       batch_size=t.batch_size if t is not None and t.mode == "async" else None,
+                       max_head_offpolicyness=r.max_head_offpolicyness)
 
 
 def _replace(cfg, dotted: str, value):
@@ -129,10 +150,9 @@ def _candidates(cfg, args: ModelArgs, plan: Plan) -> list[tuple[str, list[tuple[
             out.append(("trainer", [("actor.parallel.tp", 2 * p.tp)]))
     s = plan.server
     if s is not None and not s["fits"]:
-        if s["sequences_fit"] > 0:
-            groups = s["sequences_fit"] * s["n_servers"] // cfg.rollout.n_samples
-            if groups >= 1:
-                out.append(("server", [("rollout.max_concurrent_rollouts", groups)]))
+        groups = s["sequences_fit_expected"] * s["n_servers"] // cfg.rollout.n_samples
+        if groups >= 1:
+            out.append(("server", [("rollout.max_concurrent_rollouts", groups)]))
         if 2 * s["tp"] <= 8 and parse_allocation(cfg.launch.allocation).rollout is None:
             out.append(("server", [("server.tp_size", 2 * s["tp"])]))
     return out

@@ -32,7 +32,14 @@ def format_table(plan: Plan) -> str:
         lines.append(f"rollout server (per GPU): weights {_gib(s['weights_per_gpu'])}, KV pool "
                      f"{_gib(s['kv_pool_per_gpu'])} = {s['kv_tokens']} tokens "
                      f"({s['kv_bytes_per_token'] // 1024} KiB/token); {s['sequences_fit']} sequences of "
-                     f"the full length fit, {s['sequences_configured']} configured per server: "
+                     f"the full length fit (worst case), {s['sequences_configured']} configured per server")
+        stale = ("" if s["expected_staleness"] is None else
+                 f"; expected staleness {s['expected_staleness']:.2f} steps (bound {s['staleness_bound']})")
+        lines.append(f"rollout concurrency at expected lengths ({s['lengths']}; mean {s['mean_length']:.0f} "
+                     f"tokens, {s['slot_kv_tokens']:.0f} KV tokens per busy slot): {s['sequences_fit_expected']} "
+                     f"sequences per server fit, max_running_requests {s['max_running_requests']} -> "
+                     f"rollout.max_concurrent_rollouts={s['recommended_groups']}; configured: "
+                     f"{s['occupancy_per_server']:.1f} sequences per server{stale}: "
                      f"{'fits' if s['fits'] else 'does NOT fit'}")
     lines.append("verdict: " + ("fits" if plan.fits else "does NOT fit") + f" in {gpu} GiB per GPU")
     for fix in plan.fixes:

@@ -4,8 +4,15 @@ Synchronous mode (``rollout_batch``) samples a batch with the current weights. A
 (``start`` / ``prepare_batch``) keeps groups in flight while the trainer trains, with
 AReaL's capacity rule bounding how stale a sample can be::
 
-    capacity = min(max_concurrent - running,
+    capacity = min((max_concurrent * n_samples - generating) // n_samples,
                    (max_head_offpolicyness + version + 1) * batch_size - (accepted + running))
+
+The first term counts samples still generating, not groups: a group's samples end at very
+different lengths (boba's longest of 16 is ~2.5x the mean), and a group that holds its slot
+until its last sample ends keeps the servers only ~40 % full (mean / longest; an early run
+of ``bench/rollout_fleet.py``, confounded by the client's CPU, showed 28 %). So
+``max_concurrent_rollouts`` groups' worth of requests stay in flight, and groups (``running``)
+may outnumber it; the staleness term counts groups and is unchanged.
 
 ``accepted`` counts groups consumed or ready; it is restored from a checkpoint as the
 number consumed, so the bound holds across resume. A group is also checked when it is
@@ -32,7 +39,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-from areal_mcore.checks import check_positive
+from areal_mcore.checks import check_positive, field_error
 from areal_mcore.data.prompts import Prompt
 from areal_mcore.reward.pool import RewardItem
 from areal_mcore.rollout.client import Completion, RolloutClient
@@ -51,7 +58,11 @@ class RolloutConfig:
     # SGLang refuses min_new_tokens > 0 under --skip-tokenizer-init (server.skip_tokenizer_init).
     min_new_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
-    max_concurrent_rollouts: int = 64  # prompt groups in flight
+    max_concurrent_rollouts: int = 64  # prompt groups' worth of requests in flight (x n_samples)
+    # The client's generation connections (one per request in flight). None: exactly the
+    # requests in flight, max_concurrent_rollouts x n_samples; a smaller cap would leave
+    # requests waiting inside the client while the servers have room for them.
+    max_connections: int | None = None
     max_head_offpolicyness: int = 4
     seed: int = 1
     # A server with requests in flight that answered none for stall_after_s and does not
@@ -81,8 +92,23 @@ class RolloutConfig:
         check_positive("stall_after_s", self.stall_after_s)
         check_positive("stall_probe_s", self.stall_probe_s)
         check_positive("max_concurrent_rollouts", self.max_concurrent_rollouts)
+        if self.max_connections is not None and self.max_connections < self.in_flight:
+            raise field_error("max_connections", self.max_connections,
+                              f"is below the requests in flight, max_concurrent_rollouts x n_samples = "
+                              f"{self.max_concurrent_rollouts} x {self.n_samples} = {self.in_flight}: "
+                              f"raise it to at least {self.in_flight}, or null (follows them)")
         check_positive("max_head_offpolicyness", self.max_head_offpolicyness, allow_zero=True)
         check_positive("min_new_tokens", self.min_new_tokens, allow_zero=True)
+
+    @property
+    def in_flight(self) -> int:
+        """The most generate requests in flight at once (one per sample of each group)."""
+        return self.max_concurrent_rollouts * self.n_samples
+
+    @property
+    def connections(self) -> int:
+        """The client's generation connection limit (``max_connections``, resolved)."""
+        return self.in_flight if self.max_connections is None else self.max_connections
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
@@ -126,6 +152,14 @@ def _version(text: str) -> int:
     return int(text) if text.lstrip("-").isdigit() else 0
 
 
+def _versions(texts: list[str]) -> list[int]:
+    """``_version`` of each token's version: parsed once per distinct value (a response has
+    one or two): parsing each token's came first in a profile of ``bench/rollout_fleet.py``
+    after JSON decoding, and a boba response has ~9k tokens."""
+    table = {t: _version(t) for t in set(texts)}
+    return [table[t] for t in texts]
+
+
 class RolloutController:
     def __init__(self, cfg: RolloutConfig, client: RolloutClient, reward_fn: RewardFn,
                  decode: Callable[[list[int]], str]):
@@ -138,11 +172,13 @@ class RolloutController:
         self.decode = decode
         self.version = 0
         self.running = 0  # groups in flight
+        self.generating = 0  # their samples still generating (requests in flight)
         self.accepted = 0  # groups ready or consumed
         self.consumed = 0
         self.dropped_stale = 0
         self.dropped_uniform = 0  # groups dynamic sampling dropped (all rewards equal)
         self.max_running_seen = 0
+        self.max_generating_seen = 0
         # Async dynamic sampling: groups judged (kept or dropped) since the last batch.
         self._seen, self._kept = 0, 0
         self._next_group = 0
@@ -161,7 +197,7 @@ class RolloutController:
         # Seeds depend on (seed, group, sample) only: a failed-over sample is redrawn the
         # same way, and a rerun draws the same batch.
         comps: list[Completion] = await asyncio.gather(*[
-            self.client.generate(prompt.input_ids, dataclasses.replace(
+            self._generate(prompt.input_ids, dataclasses.replace(
                 base, sampling_seed=(self.cfg.seed * 1_000_003 + gid) * 1009 + j),
                 rid=f"g{gid}s{j}-{self._nonce}", group=f"g{gid}-{self._nonce}")
             for j in range(self.cfg.n_samples)])
@@ -172,7 +208,7 @@ class RolloutController:
         async with self._reward_lock:
             rewards = await self.reward_fn(items)
         samples = [Sample(group=gid, prompt_ids=list(prompt.input_ids), output_ids=c.output_ids,
-                          logprobs=c.logprobs, versions=[_version(v) for v in c.versions],
+                          logprobs=c.logprobs, versions=_versions(c.versions),
                           reward=float(r), finish_reason=c.finish_reason["type"],
                           start_version=start_version, failovers=c.attempts)
                    for c, r in zip(comps, rewards)]
@@ -180,21 +216,32 @@ class RolloutController:
             self.on_group(samples)
         return samples
 
+    async def _generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str,
+                        group: str) -> Completion:
+        """One sample; its end frees a request slot for admission (``_admit``)."""
+        try:
+            return await self.client.generate(input_ids, sampling, rid=rid, group=group)
+        finally:
+            self.generating -= 1
+            self._changed.set()
+
     # ---- synchronous mode --------------------------------------------------------------
     async def rollout_batch(self, prompts: list[Prompt],
                             more: Callable[[], list[Prompt]] | None = None) -> RolloutBatch:
         """All groups of ``prompts`` with the current weights, at most
-        ``max_concurrent_rollouts`` groups in flight. With ``dynamic_sampling`` (and
+        ``max_concurrent_rollouts`` groups' worth of samples generating (see the module
+        docstring). With ``dynamic_sampling`` (and
         ``more``, the next batch of prompts), groups with equal rewards are dropped and
         further rounds of ``more()`` prompts sampled until ``len(prompts)`` mixed groups
         are kept or ``dynamic_sampling_max_rounds`` rounds ran; the surplus is discarded."""
-        gate = asyncio.Semaphore(self.cfg.max_concurrent_rollouts)
-
         async def bounded(p: Prompt) -> list[Sample]:
-            async with gate:
-                gid = self._next_group
-                self._next_group += 1
-                return await self._group(gid, p, self.version)
+            while self.generating + self.cfg.n_samples > self.cfg.in_flight:
+                self._changed.clear()  # every waiter wakes on set(); each checks again
+                await self._changed.wait()
+            gid = self._next_group
+            self._next_group += 1
+            self.generating += self.cfg.n_samples
+            return await self._group(gid, p, self.version)
 
         async def sample(batch: list[Prompt]) -> list[list[Sample]]:
             return list(await asyncio.gather(*[bounded(p) for p in batch]))
@@ -221,7 +268,7 @@ class RolloutController:
     # ---- async mode --------------------------------------------------------------------
     def capacity(self, batch_size: int) -> int:
         c = self.cfg
-        return min(c.max_concurrent_rollouts - self.running,
+        return min((c.in_flight - self.generating) // c.n_samples,
                    (c.max_head_offpolicyness + self.version + 1) * batch_size
                    - (self.accepted + self.running))
 
@@ -248,7 +295,9 @@ class RolloutController:
         gid, start = self._next_group, self.version
         self._next_group += 1
         self.running += 1
+        self.generating += self.cfg.n_samples
         self.max_running_seen = max(self.max_running_seen, self.running)
+        self.max_generating_seen = max(self.max_generating_seen, self.generating)
         task = asyncio.ensure_future(self._group(gid, prompt, start))
         self._groups.add(task)
         task.add_done_callback(self._landed)

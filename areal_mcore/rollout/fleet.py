@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,11 +56,22 @@ class TransientError(RolloutError):
 OK, SLOW, GONE = "ok", "slow", "gone"
 
 
+def _allow_open_files(connections: int) -> None:
+    """Raises this process's soft open-file limit towards ``connections`` + a margin: each
+    connection is a file descriptor, and a common soft limit (1,024) is below a boba-scale
+    client's requests in flight (4,096), where ``connect`` would fail with EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + 1024  # control calls, the reward workers' pipes, logs, checkpoints
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+
+
 class Fleet:
     """Use ``await fleet.start()`` / ``await fleet.close()`` (or ``async with``).
 
-    Two connection pools: generation's, capped at ``max_connections``, and control calls'
-    (pause, weight updates, health), uncapped and one connection per call. A weight update
+    Two connection pools: generation's, capped at ``max_connections`` (0: uncapped), and
+    control calls' (pause, weight updates, health), uncapped and one connection per call. A weight update
     with pause mode ``in_place`` keeps every generate request open, so a capped pool full
     of them would never free a connection for the update that ends their pause. One
     connection per control call: uvicorn closes a keep-alive connection after an error
@@ -67,7 +80,7 @@ class Fleet:
     """
 
     def __init__(self, addresses: list[str], *, api_key: str | None = None,
-                 max_connections: int = 1024, keepalive_s: float = 2.0,
+                 max_connections: int = 0, keepalive_s: float = 2.0,
                  dead_engine: Callable[[int, str], bool] = lambda status, text: False):
         if not addresses:
             raise ValueError("rollout.client.addresses is empty: launch servers first")
@@ -86,6 +99,7 @@ class Fleet:
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        _allow_open_files(self.max_connections or 4 * 1024)
         # uvicorn (vLLM's and SGLang's server) closes idle keep-alive connections after
         # 5 s; one it is closing fails a request sent on it: idle ones go after keepalive_s.
         self._generation = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(
@@ -119,7 +133,7 @@ class Fleet:
                     raise kind(f"{s.address}{path}: HTTP {r.status}: {text[:500]}", [s.address])
                 if not parse or not text or r.content_type != "application/json":
                     return text  # e.g. flush_cache answers in plain text
-                return await r.json()
+                return json.loads(text)  # r.json() would decode the body a second time
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
             timed_out = isinstance(e, asyncio.TimeoutError)
             s.healthy = timed_out

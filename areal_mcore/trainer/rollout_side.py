@@ -17,7 +17,7 @@ from functools import partial
 from areal_mcore.data.prompts import prompts_for
 from areal_mcore.data.sampler import EpochSampler
 from areal_mcore.reward.pool import RewardCounts, RewardPool
-from areal_mcore.rollout.client import ClientConfig, RolloutClient
+from areal_mcore.rollout.client import ClientConfig, RolloutClient, relax_gc
 from areal_mcore.rollout.controller import RolloutBatch, RolloutController
 from areal_mcore.rollout.protocol import RolloutError
 from areal_mcore.rollout.servers import launch_servers
@@ -55,8 +55,10 @@ class RolloutSide:
         self.pool = RewardPool(cfg.reward)
         # The training rollouts' reward errors and timeouts (evals score through their own).
         self.reward_counts, self._counted = RewardCounts(), RewardCounts()
+        relax_gc()  # rank 0's event loop parses every response (see relax_gc)
         self.client = RolloutClient(ClientConfig(addresses=self.addresses, api_key=cfg.server.api_key,
                                                  backend=cfg.server.backend,
+                                                 max_connections=cfg.rollout.connections,
                                                  stall_after_s=cfg.rollout.stall_after_s,
                                                  stall_probe_s=cfg.rollout.stall_probe_s,
                                                  slow_factor=cfg.rollout.slow_request_factor,
