@@ -117,3 +117,40 @@ def test_async_rollout_never_exceeds_max_head_offpolicyness_across_checkpoint_re
     assert len(seen) == 8 * bs * 2
     assert max(seen) == ofp  # the bound was reached, so the check above was exercised
     assert ctrl.version == 8
+
+
+class _Stuck:
+    async def generate(self, *args, **kwargs):
+        await asyncio.Event().wait()  # a request that never answers
+
+
+async def _cancelled_at_admission(start, stop, steps):
+    """Request slots held just after two groups were admitted (``steps`` turns of the
+    event loop: their tasks created, none started yet), and after the batch was cancelled
+    there."""
+    cfg = RolloutConfig(max_new_tokens=4, n_samples=4, max_concurrent_rollouts=2)
+    ctrl = RolloutController(cfg, _Stuck(), _count_reward, decode=str)
+    handle = start(ctrl)
+    for _ in range(steps):
+        await asyncio.sleep(0)
+    held = ctrl.generating
+    await stop(ctrl, handle)
+    return held, ctrl.generating
+
+
+def test_groups_cancelled_before_their_requests_started_give_their_slots_back():
+    """A sample's slot came back when its request ended; a request cancelled before it
+    started never ran that code, so its slots stayed taken and a later batch on the same
+    controller admitted less (or nothing)."""
+    async def cancel(ctrl, task):
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    # Sync: the batch's task, then its groups' (whose sample requests are created, not run).
+    sync = asyncio.run(_cancelled_at_admission(lambda c: asyncio.ensure_future(c.rollout_batch(_prompts(3))),
+                                               cancel, steps=2))
+    # Async: the admission task (the groups' own tasks are created, not run).
+    async_ = asyncio.run(_cancelled_at_admission(lambda c: c.start(iter(_prompts(3)), 2),
+                                                 lambda c, _: c.stop(), steps=1))
+    assert sync == async_ == (8, 0)  # 2 groups x 4 samples admitted, then all given back

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import uuid
 import warnings
 from collections import deque
@@ -173,6 +174,7 @@ class RolloutController:
         self.version = 0
         self.running = 0  # groups in flight
         self.generating = 0  # their samples still generating (requests in flight)
+        self._slots: dict[int, int] = {}  # group -> request slots it holds (taken at admission)
         self.accepted = 0  # groups ready or consumed
         self.consumed = 0
         self.dropped_stale = 0
@@ -192,15 +194,35 @@ class RolloutController:
         self._error: BaseException | None = None
 
     # ---- one group -----------------------------------------------------------------------
+    def _take_slots(self, gid: int) -> None:
+        self._slots[gid] = self.cfg.n_samples
+        self.generating += self.cfg.n_samples
+        self.max_generating_seen = max(self.max_generating_seen, self.generating)
+
+    def _free_slots(self, gid: int, n: int | None = None) -> None:
+        """Gives back ``n`` of the group's request slots (None: all it still holds); a
+        group cancelled before some samples started gives theirs back at its end."""
+        held = self._slots.get(gid, 0)
+        n = held if n is None else min(n, held)
+        if held - n:
+            self._slots[gid] = held - n
+        else:
+            self._slots.pop(gid, None)
+        self.generating -= n
+        self._changed.set()
+
     async def _group(self, gid: int, prompt: Prompt, start_version: int) -> list[Sample]:
         base = self.cfg.sampling()
         # Seeds depend on (seed, group, sample) only: a failed-over sample is redrawn the
         # same way, and a rerun draws the same batch.
-        comps: list[Completion] = await asyncio.gather(*[
-            self._generate(prompt.input_ids, dataclasses.replace(
-                base, sampling_seed=(self.cfg.seed * 1_000_003 + gid) * 1009 + j),
-                rid=f"g{gid}s{j}-{self._nonce}", group=f"g{gid}-{self._nonce}")
-            for j in range(self.cfg.n_samples)])
+        try:
+            comps: list[Completion] = await asyncio.gather(*[
+                self._generate(gid, prompt.input_ids, dataclasses.replace(
+                    base, sampling_seed=(self.cfg.seed * 1_000_003 + gid) * 1009 + j),
+                    rid=f"g{gid}s{j}-{self._nonce}", group=f"g{gid}-{self._nonce}")
+                for j in range(self.cfg.n_samples)])
+        finally:
+            self._free_slots(gid)
         text = self.decode(prompt.input_ids)
         items = [RewardItem(prompt=text, completion=self.decode(c.output_ids), prompt_ids=list(prompt.input_ids),
                             completion_ids=list(c.output_ids), solutions=list(prompt.solutions),
@@ -216,14 +238,13 @@ class RolloutController:
             self.on_group(samples)
         return samples
 
-    async def _generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str,
+    async def _generate(self, gid: int, input_ids: list[int], sampling: SamplingParams, *, rid: str,
                         group: str) -> Completion:
         """One sample; its end frees a request slot for admission (``_admit``)."""
         try:
             return await self.client.generate(input_ids, sampling, rid=rid, group=group)
         finally:
-            self.generating -= 1
-            self._changed.set()
+            self._free_slots(gid, 1)
 
     # ---- synchronous mode --------------------------------------------------------------
     async def rollout_batch(self, prompts: list[Prompt],
@@ -240,7 +261,7 @@ class RolloutController:
                 await self._changed.wait()
             gid = self._next_group
             self._next_group += 1
-            self.generating += self.cfg.n_samples
+            self._take_slots(gid)
             return await self._group(gid, p, self.version)
 
         async def sample(batch: list[Prompt]) -> list[list[Sample]]:
@@ -295,15 +316,15 @@ class RolloutController:
         gid, start = self._next_group, self.version
         self._next_group += 1
         self.running += 1
-        self.generating += self.cfg.n_samples
+        self._take_slots(gid)
         self.max_running_seen = max(self.max_running_seen, self.running)
-        self.max_generating_seen = max(self.max_generating_seen, self.generating)
         task = asyncio.ensure_future(self._group(gid, prompt, start))
         self._groups.add(task)
-        task.add_done_callback(self._landed)
+        task.add_done_callback(functools.partial(self._landed, gid))
 
-    def _landed(self, task: asyncio.Task) -> None:
+    def _landed(self, gid: int, task: asyncio.Task) -> None:
         self._groups.discard(task)
+        self._free_slots(gid)  # a task cancelled before it ran never reached _group's own
         self.running -= 1
         if task.cancelled():
             return
