@@ -240,12 +240,17 @@ def _check_dapo_run(rows, run_dir, steps=3):
         assert r["rollout/n_samples"] == 4 * r["rollout/dynamic_groups"]
     assert min(r["rollout/dynamic_kept_ratio"] for r in rows) < 1.0  # some groups were dropped
     assert rows[-1]["rollout/dropped_uniform"] > 0
-    for step in range(1, steps + 1):
+    for step, row in zip(range(1, steps + 1), rows):
         dumped = [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
         groups = {}
         for d in dumped:
             groups.setdefault(d["group"], []).append(d["reward"])
         assert groups and all(len(set(g)) > 1 for g in groups.values()), (step, groups)  # only mixed
+        # The overlong penalty (buffer 4 of 16 tokens) the step's trained samples got.
+        lens = torch.tensor([d["response_len"] for d in dumped])
+        want = overlong_penalty(lens, max_new_tokens=16, buffer_len=4, penalty_factor=1.0)
+        assert row["rollout/overlong_penalty_mean"] == pytest.approx(float(want.mean()))
+        assert row["rollout/overlong_penalised_ratio"] == float((want < 0).float().mean())
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from areal_mcore.algo import (
     overlong_penalty,
     transform_reward,
 )
-from areal_mcore.algo.config import PPOConfig
+from areal_mcore.algo.config import OverlongPenaltyConfig, PPOConfig
 from areal_mcore.packing import PackedBatch, pack
 from areal_mcore.trainer.dispatch import RolloutShard
 
@@ -77,6 +77,17 @@ def pack_rollout(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | None 
     if ppo.mask_truncated_samples and shard.num_samples:
         batch.fields["loss_mask"] &= _per_token(batch, shard.truncated == 0)
     return batch, rewards_B
+
+
+def overlong_stats(samples, pen: OverlongPenaltyConfig) -> dict[str, float]:
+    """``rollout/overlong_penalty_mean`` (over the samples, in the raw reward's units) and
+    ``rollout/overlong_penalised_ratio``: how much DAPO's shaping took from the batch."""
+    lens_B = torch.tensor([len(s.output_ids) for s in samples], dtype=torch.float32)
+    p_B = overlong_penalty(lens_B, max_new_tokens=pen.max_new_tokens, buffer_len=pen.buffer_len,
+                           penalty_factor=pen.penalty_factor)
+    n = max(len(samples), 1)
+    return {"rollout/overlong_penalty_mean": float(p_B.sum()) / n,
+            "rollout/overlong_penalised_ratio": float((p_B < 0).sum()) / n}
 
 
 def add_advantages(batch: PackedBatch, rewards_B: torch.Tensor, ppo: PPOConfig, *,

@@ -41,7 +41,7 @@ from areal_mcore.convert.save_hf import save_hf
 from areal_mcore.rollout.protocol import RolloutError
 from areal_mcore.run_dir import RunDir
 from areal_mcore.trainer import stats as S
-from areal_mcore.trainer.batch import add_advantages, pack_rollout
+from areal_mcore.trainer.batch import add_advantages, overlong_stats, pack_rollout
 from areal_mcore.trainer.dispatch import Dispatcher
 from areal_mcore.trainer.event_loop import LoopThread
 from areal_mcore.trainer.rollout_side import RolloutSide
@@ -271,6 +271,8 @@ class PPORun:
             else:
                 self.logger.dump_rollouts(step + 1, out.samples, side.decode)
                 samples, stats = out.samples, out.stats
+                if self.cfg.ppo.overlong_penalty is not None:
+                    stats = {**stats, **overlong_stats(samples, self.cfg.ppo.overlong_penalty)}
         # The other ranks wait here for rank 0's rollout (on the gloo control group).
         interrupted, error = collectives.broadcast_object((interrupted, error), 0, self.control)
         if error:  # the last finished step is kept, then the run ends with the reason
