@@ -178,6 +178,35 @@ def test_kl_in_reward_subtracts_the_penalty_from_each_response_tokens_reward_bef
     assert not torch.allclose(adv, off)
 
 
+def test_the_regularisers_stay_on_the_actors_device():
+    """On a GPU the packed batch is built on the device (from a RolloutShard) and
+    compute_logprobs writes ``prox`` and ``ref`` there; θ's logprobs and entropies come off
+    the logits there too. The KL penalty, GAE's per-token rewards and the loss terms must
+    not bring in a CPU tensor: the emulated device refuses the mix."""
+    from _fake_cuda import FakeCuda, is_fake_cuda
+
+    from areal_mcore.trainer.batch import add_advantages
+    from areal_mcore.trainer.ppo import ppo_loss
+
+    seqs, cat, cu = _batch(seed=3)
+    n_tokens, n_seqs = int(cat["mask"].sum()), len(seqs)
+    with FakeCuda():
+        batch = pack([torch.zeros(len(s["mask"]), dtype=torch.long) for s in seqs],
+                     {"loss_mask": [s["mask"] for s in seqs], "prox": [s["prox"].float() for s in seqs],
+                      "ref": [s["ref"].float() for s in seqs],
+                      "empty_response": [torch.zeros(len(s["mask"])) for s in seqs]}).to("cuda")
+        add_advantages(batch, torch.randn(n_seqs).to("cuda"), PPOConfig(kl_coef=KL_COEF, kl_in="reward"))
+        logp = batch.fields["prox"].clone().requires_grad_()
+        entropy = torch.rand(logp.shape).to("cuda").requires_grad_()
+        loss, stats = ppo_loss(PPOConfig(kl_coef=KL_COEF, entropy_coef=ENT_COEF), 0, logp, batch,
+                               torch.tensor(float(n_tokens)).to("cuda"), torch.tensor(float(n_seqs)).to("cuda"),
+                               entropy_T=entropy)
+        loss.backward()
+    assert is_fake_cuda(batch.fields["adv"]) and is_fake_cuda(loss)
+    assert is_fake_cuda(stats["ref_kl_sum"]) and is_fake_cuda(stats["entropy_sum"])
+    assert logp.grad is not None and entropy.grad is not None  # (autograd's grads carry no device tag)
+
+
 # ----------------------------------------------------------------------------- config
 
 
