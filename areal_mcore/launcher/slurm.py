@@ -376,7 +376,7 @@ def trainer_node(nodes: list[str], me: str, port_file: Path, timeout_s: float = 
 _EARLY_USR2: list[int] = []
 
 
-def _refused_by_plan(config: str, overrides: list[str]) -> bool:
+def _refused_before_start(config: str, overrides: list[str]) -> bool:
     """The plan's refusal, or the actor's of the model's config.json, before any step starts."""
     from areal_mcore.config import load_config
     from areal_mcore.model.args import check_model_folder
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # plan.check=false travels with the overrides to the trainer step, which checks too.
         overrides = a.overrides + (["plan.check=false"] if a.no_plan_check else [])
-        if _refused_by_plan(a.config, overrides):  # before any server is started
+        if _refused_before_start(a.config, overrides):  # before any server is started
             return 2
         launcher = Launcher(a.config, overrides)
     except (ValueError, RuntimeError, FileNotFoundError) as e:

@@ -178,15 +178,20 @@ def stage_layer_counts(num_layers: int, pp_size: int, first: int | None = None,
     return [fixed[s] if fixed.get(s) is not None else rest // len(free) for s in range(pp_size)]
 
 
+def folder_args(folder: str | Path) -> ModelArgs | None:
+    """The architecture of an HF folder's config.json, read without transformers (the
+    planner, and the checks before a run, which may run where the weights are not); None
+    without a config.json."""
+    config = Path(folder) / "config.json"
+    return ModelArgs.from_hf(SimpleNamespace(**json.loads(config.read_text()))) if config.is_file() else None
+
+
 def check_model_folder(key: str, folder: str) -> None:
     """Refuses, naming the key and the file, a model folder whose config.json the mapping
     cannot represent: run before any process starts, where the actor would only find out
     after the servers and ranks had started. A folder without config.json is the path
     checks' to report."""
-    config = Path(folder) / "config.json"
-    if not config.is_file():
-        return
     try:
-        ModelArgs.from_hf(SimpleNamespace(**json.loads(config.read_text())))
+        folder_args(folder)
     except ValueError as e:
-        raise ValueError(f"{key}={folder}: {config.name}: {e}") from None
+        raise ValueError(f"{key}={folder}: config.json: {e}") from None

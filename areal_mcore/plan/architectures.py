@@ -6,11 +6,10 @@ models' shapes (and the Qwen3 recipes') are listed here, copied from their publi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from areal_mcore.model.args import ModelArgs
+from areal_mcore.model.args import ModelArgs, folder_args
 
 
 def _qwen2(hidden, layers, heads, kv, ffn, vocab, tie):
@@ -39,9 +38,9 @@ KNOWN = {
 def resolve_architecture(model_path: str | None, name: str | None) -> tuple[ModelArgs, str]:
     """(args, where they came from). ``name`` (plan.architecture) wins over the path."""
     if name is None and model_path is not None:
-        config = Path(model_path) / "config.json"
-        if config.is_file():
-            return ModelArgs.from_hf(SimpleNamespace(**json.loads(config.read_text()))), str(config)
+        args = folder_args(model_path)
+        if args is not None:
+            return args, str(Path(model_path) / "config.json")
         name = Path(model_path).name if Path(model_path).name in KNOWN else None
     if name is None:
         raise ValueError(f"the planner needs the architecture: model_path={model_path!r} has no "
