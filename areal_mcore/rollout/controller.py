@@ -179,7 +179,6 @@ class RolloutController:
         self.consumed = 0
         self.dropped_stale = 0
         self.dropped_uniform = 0  # groups dynamic sampling dropped (all rewards equal)
-        self.max_running_seen = 0
         self.max_generating_seen = 0
         # Async dynamic sampling: groups judged (kept or dropped) since the last batch.
         self._seen, self._kept = 0, 0
@@ -317,7 +316,6 @@ class RolloutController:
         self._next_group += 1
         self.running += 1
         self._take_slots(gid)
-        self.max_running_seen = max(self.max_running_seen, self.running)
         task = asyncio.ensure_future(self._group(gid, prompt, start))
         self._groups.add(task)
         task.add_done_callback(functools.partial(self._landed, gid))
