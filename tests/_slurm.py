@@ -59,5 +59,7 @@ def wait(job_id: str, timeout_s: float, until=lambda st: st in TERMINAL) -> str:
             return st
         time.sleep(1)
     info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    # A job pending for Resources: which jobs hold them (an earlier test's, requeued?).
+    queue = subprocess.run(["squeue", "-o", "%i %T %r %M %j %N"], capture_output=True, text=True).stdout
     subprocess.run(["scancel", job_id], capture_output=True)
-    pytest.fail(f"job {job_id} still {state(job_id)!r} after {timeout_s:.0f} s:\n{info}")
+    pytest.fail(f"job {job_id} still {state(job_id)!r} after {timeout_s:.0f} s:\n{info}\nsqueue:\n{queue}")

@@ -268,6 +268,8 @@ def test_scancel_stops_every_step_and_leaves_no_process(assets, tmp_path):
         assert time.monotonic() < deadline, [psutil.Process(p).cmdline() for p in _marked(mark)]
         time.sleep(0.5)
     assert all(s in ("CANCELLED", "COMPLETED", "FAILED") for s, _ in steps(job).values()), steps(job)
+    # Ended by the cancel, not failed, and not requeued (see test_launcher_requeue.py).
+    assert _status(tmp_path / "cancel")["state"] == "TERMINATED" and state(job) == "CANCELLED"
 
 
 def test_submitit_launch_completes_and_returns_the_final_stats(assets, tmp_path):

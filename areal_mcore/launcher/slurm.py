@@ -50,22 +50,26 @@ class SlurmJob:
                                "launch/slurm/<recipe>.sh or areal-mcore launch")
         job_id = os.environ["SLURM_JOB_ID"]
         nodes = _scontrol("show", "hostnames", os.environ["SLURM_JOB_NODELIST"]).split()
-        return cls(job_id, nodes, int(os.environ.get("SLURM_RESTART_COUNT", "0")), job_end_time(job_id))
+        return cls(job_id, nodes, int(os.environ.get("SLURM_RESTART_COUNT", "0")), job_state(job_id)[1])
 
 
 END_TIME_POLL_S = 15.0  # one `scontrol show job` per poll: nothing at any job size
 
 
-def job_end_time(job_id: str) -> float | None:
-    """The running job's EndTime (its start + time limit), as scontrol prints it in this
-    machine's local time; None for an unlimited job."""
+def job_state(job_id: str) -> tuple[str, float | None]:
+    """The job's JobState and EndTime (epoch seconds, from scontrol's local time; None for
+    an unlimited job). EndTime is the time limit only while the job is RUNNING: once it is
+    cancelled (scancel, preemption) scontrol shows the moment that happened, which a
+    launcher that went on polling took for a limit already past and requeued the cancelled
+    job (Slurm 22.05 requeues a finished batch job), which then ran on, try after try."""
     fields = dict(kv.split("=", 1) for kv in _scontrol("show", "job", "-o", job_id).split() if "=" in kv)
+    state = fields.get("JobState", "")
     if fields.get("TimeLimit") == "UNLIMITED":
-        return None
+        return state, None
     try:
-        return datetime.datetime.fromisoformat(fields["EndTime"]).timestamp()
+        return state, datetime.datetime.fromisoformat(fields["EndTime"]).timestamp()
     except (KeyError, ValueError):  # "Unknown"
-        return None
+        return state, None
 
 
 def _scontrol(*args: str) -> str:
@@ -219,11 +223,11 @@ class Launcher:
                 return self._requeue()
             time.sleep(1.0)
         self.status.update(step=self._step(), last_checkpoint=self._checkpoint())
-        if trainer.returncode != 0:
-            return self._fail(f"trainer exited with code {trainer.returncode} (log {self.logs / 'trainer.log'})")
-        if self.terminating:
+        if self.terminating:  # scancel or preemption: whatever the trainer's exit code
             self.status.update(state="TERMINATED")
             return 143
+        if trainer.returncode != 0:
+            return self._fail(f"trainer exited with code {trainer.returncode} (log {self.logs / 'trainer.log'})")
         # PPO stops early (with a checkpoint) only when asked to; SFT runs to its end (and
         # logs no PPO steps: a config with a trainer section, as tiny_cpu.yaml, requeued).
         ppo = self.alloc.rollout is not None
@@ -239,6 +243,16 @@ class Launcher:
 
     def _requeue(self) -> int:
         self._stop_all()
+        try:
+            state = job_state(self.job.job_id)[0]
+        except subprocess.CalledProcessError:  # slurmctld busy: requeue, which retries it
+            state = "RUNNING"
+        if state != "RUNNING":
+            # Cancelled or preempted while stopping: `scontrol requeue` would bring even a
+            # CANCELLED batch job back (Slurm requeues finished jobs), and it would run on.
+            print(f"[launcher] job {self.job.job_id} is {state}: not requeueing it", flush=True)
+            self.status.update(state="TERMINATED", step=self._step(), last_checkpoint=self._checkpoint())
+            return 143
         self.status.update(state="REQUEUED", restarts=self.job.restarts + 1, step=self._step(),
                            last_checkpoint=self._checkpoint())
         print(f"[launcher] requeueing job {self.job.job_id}", flush=True)
@@ -252,9 +266,13 @@ class Launcher:
         if now - self.end_time_read >= END_TIME_POLL_S:
             self.end_time_read = now
             try:
-                self.job.end_time = job_end_time(self.job.job_id)
-            except subprocess.CalledProcessError:
-                pass  # slurmctld busy: keep the last limit read, and try again next poll
+                state, end_time = job_state(self.job.job_id)
+            except subprocess.CalledProcessError:  # slurmctld busy: keep the last limit read
+                state, end_time = "RUNNING", self.job.end_time
+            if state == "RUNNING":
+                self.job.end_time = end_time
+            else:  # scancel or preemption: its EndTime is that moment, not a limit to requeue at
+                self.terminating = True
         return self.job.end_time - time.time() if self.job.end_time else float("inf")
 
     def _time_limit_reached(self) -> bool:
@@ -262,7 +280,7 @@ class Launcher:
         trainer must be stopped for the job to requeue before Slurm ends it as TIMEOUT
         (sbatch jobs only: under submitit, submitit owns the time limit)."""
         left, launch = self._time_left(), self.cfg.launch
-        if not self.requeue_self or left == float("inf"):
+        if not self.requeue_self or self.terminating or left == float("inf"):
             return False
         if left < self._stop_lead_s() and not self.stop_asked:
             self.stop_asked = True
