@@ -16,13 +16,13 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 ARCHS = ("qwen2", "qwen3", "llama3")
 
 
-def _config(arch: str, rope_parameters: dict | None, **common):
+def _config(arch: str, rope_parameters: dict | None, head_dim: int | None = None, **common):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     if arch == "qwen2":
         return Qwen2Config(**common, rope_theta=10000.0, use_sliding_window=False)
     if arch == "qwen3":  # head_dim 24 != hidden 64 / 4 heads: megatron's kv_channels
-        return Qwen3Config(**common, head_dim=24, rope_theta=10000.0, use_sliding_window=False)
+        return Qwen3Config(**common, head_dim=head_dim or 24, rope_theta=10000.0, use_sliding_window=False)
     if arch == "llama3":  # Llama 3.1's max_position_embeddings (transformers warns below 8192)
         return LlamaConfig(**{**common, "max_position_embeddings": 131072},
                            rope_parameters=dict(rope_parameters or LLAMA3_ROPE))
@@ -31,17 +31,18 @@ def _config(arch: str, rope_parameters: dict | None, **common):
 
 def tiny_model(arch: str = "qwen2", seed: int = 0, *, tie: bool = False, layers: int = 4, vocab: int = 250,
                hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 96,
-               positions: int = 256, rope_parameters: dict | None = None, qk_gain: float = 1.0):
+               positions: int = 256, rope_parameters: dict | None = None, qk_gain: float = 1.0,
+               head_dim: int | None = None):
     """(hf_config, state_dict, model) of a seeded random model of ``arch`` in fp32, eval mode.
 
     ``rope_parameters`` overrides llama3's RoPE settings. ``qk_gain`` scales the q/k
     projections: at HF's init (std 0.02) attention is near uniform and hardly sees positions,
     so a wrong RoPE would change logprobs by only ~1e-4; a gain of 8 makes it ~1e-2.
-    The default head_dim is 16 (24 for qwen3); vLLM's CPU attention needs 32 or more
-    (``VLLM_SHAPE``)."""
+    The default head_dim is 16 (24 for qwen3, or ``head_dim``); vLLM's CPU attention needs
+    32 or more (``VLLM_SHAPE``)."""
     from transformers import AutoModelForCausalLM
 
-    config = _config(arch, rope_parameters, vocab_size=vocab, hidden_size=hidden,
+    config = _config(arch, rope_parameters, head_dim, vocab_size=vocab, hidden_size=hidden,
                      intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
                      num_key_value_heads=kv_heads, max_position_embeddings=positions, rms_norm_eps=1e-6,
                      tie_word_embeddings=tie, attn_implementation="eager")
@@ -62,5 +63,6 @@ def tiny_qwen2(seed: int = 0, **shape):
     return tiny_model("qwen2", seed, **shape)
 
 
-# head_dim 32: served by vLLM's CPU attention (head_dim 16 is refused)
-VLLM_SHAPE = {"hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 192}
+# head_dim 32: served by vLLM's CPU attention (16 and 24 are refused: "Unsupported CPU
+# attention configuration")
+VLLM_SHAPE = {"hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 192, "head_dim": 32}
