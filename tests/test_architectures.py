@@ -39,27 +39,42 @@ def _hf_logprobs(arch: str) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _worker(rank, world, arch, tp, pp):
+def _worker(rank, world, arch, tp, pp, ckpt_root):
+    import torch.distributed as dist
     from _actor_setup import tiny_actor
+
+    from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
 
     actor = tiny_actor(tp=tp, pp=pp, arch=arch, shape=SHAPE)
     logp = actor.compute_logprobs(pack(_seqs()))
     loaded = actor.hf_state_dict()  # collective over TP
     s = train_seqs()
-    actor.train_batch(pack(s, train_fields(s)), ppo_loss, n_minibatches=2)
+    batch = pack(s, train_fields(s))
+    actor.train_batch(batch, ppo_loss, n_minibatches=2)
     trained = actor.hf_state_dict()
-    return (logp, loaded, trained) if actor.groups.tp_rank == 0 else (logp, {}, {})
+    resumed_equal = None
+    if arch == "qwen3":  # exact resume: the q/k norms' weights and Adam moments come back
+        ckpt = Checkpointer(CheckpointConfig(root=f"{ckpt_root}/{tp}x{pp}"), dist.group.WORLD)
+        ckpt.save(actor, step=1, weight_version=1)
+        actor.train_batch(batch, ppo_loss, n_minibatches=2)
+        fresh = tiny_actor(tp=tp, pp=pp, arch=arch, shape=SHAPE)
+        ckpt.load(fresh)
+        fresh.train_batch(batch, ppo_loss, n_minibatches=2)
+        went_on, resumed = actor.hf_state_dict(), fresh.hf_state_dict()
+        resumed_equal = [k for k, v in went_on.items() if not torch.equal(v, resumed[k])] == []
+    return (logp, loaded, trained, resumed_equal) if actor.groups.tp_rank == 0 else (logp, {}, {}, resumed_equal)
 
 
 @pytest.fixture(scope="module")
-def run():
-    """run(arch, tp, pp): each rank's (logprobs, HF weights loaded, HF weights trained),
-    one launch per layout for the whole module."""
-    cache = {}
+def run(tmp_path_factory):
+    """run(arch, tp, pp): each rank's (logprobs, HF weights loaded, HF weights trained,
+    whether a step after a checkpoint's load equals one without it), one launch per layout
+    for the whole module."""
+    cache, root = {}, tmp_path_factory.mktemp("ckpt")
 
     def get(arch, tp, pp):
         if (arch, tp, pp) not in cache:
-            cache[arch, tp, pp] = run_gloo(_worker, 2, arch, tp, pp)
+            cache[arch, tp, pp] = run_gloo(_worker, 2, arch, tp, pp, str(root))
         return cache[arch, tp, pp]
     return get
 
@@ -88,8 +103,14 @@ def test_hf_weights_round_trip_through_megatron_bitwise(run, arch, tp, pp):
 @ARCH_LAYOUTS
 def test_packed_logprobs_equal_transformers_per_sequence(run, arch, tp, pp):
     want = _hf_logprobs(arch)
-    for logp, _, _ in run(arch, tp, pp):  # every rank gets them
+    for logp, *_ in run(arch, tp, pp):  # every rank gets them
         assert (logp - want).abs().max() <= 1e-4
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_a_qwen3_actor_resumed_from_its_checkpoint_trains_on_bitwise(run, tp, pp):
+    assert [r[3] for r in run("qwen3", tp, pp)] == [True, True]
 
 
 @pytest.mark.multirank
