@@ -21,7 +21,7 @@ MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, 
        "mlp_only_layers": [2], "decoder_sparse_step": 1}
 
 
-def _config(arch: str, rope_parameters: dict | None, **common):
+def _config(arch: str, rope_parameters: dict | None, moe: dict | None = None, **common):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if arch == "qwen2":
@@ -29,7 +29,7 @@ def _config(arch: str, rope_parameters: dict | None, **common):
     if arch == "qwen3":  # head_dim 24 != hidden 64 / 4 heads: megatron's kv_channels
         return Qwen3Config(**common, head_dim=24, rope_theta=10000.0, use_sliding_window=False)
     if arch == "qwen3_moe":  # head_dim 32 != hidden 64 / 4 heads
-        return Qwen3MoeConfig(**common, **MOE, head_dim=32, rope_theta=10000.0, use_sliding_window=False)
+        return Qwen3MoeConfig(**common, **{**MOE, **(moe or {})}, head_dim=32, rope_theta=10000.0, use_sliding_window=False)
     if arch == "llama3":  # Llama 3.1's max_position_embeddings (transformers warns below 8192)
         return LlamaConfig(**{**common, "max_position_embeddings": 131072},
                            rope_parameters=dict(rope_parameters or LLAMA3_ROPE))
@@ -38,10 +38,11 @@ def _config(arch: str, rope_parameters: dict | None, **common):
 
 def tiny_model(arch: str = "qwen2", seed: int = 0, *, tie: bool = False, layers: int = 4, vocab: int = 250,
                hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 96,
-               positions: int = 256, rope_parameters: dict | None = None, qk_gain: float = 1.0):
+               positions: int = 256, rope_parameters: dict | None = None, qk_gain: float = 1.0,
+               moe: dict | None = None):
     """(hf_config, state_dict, model) of a seeded random model of ``arch`` in fp32, eval mode.
 
-    ``rope_parameters`` overrides llama3's RoPE settings. ``qk_gain`` scales the q/k
+    ``rope_parameters`` overrides llama3's RoPE settings, ``moe`` keys of qwen3_moe's ``MOE``. ``qk_gain`` scales the q/k
     projections: at HF's init (std 0.02) attention is near uniform and hardly sees positions,
     so a wrong RoPE would change logprobs by only ~1e-4; a gain of 8 makes it ~1e-2.
     The default head_dim is 16 (24 for qwen3, 32 for qwen3_moe); vLLM's CPU attention needs 32
@@ -50,7 +51,7 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, *, tie: bool = False, layers:
     (``mlp.experts.gate_up_proj``) and unstacks them on save (``revert_weight_conversion``)."""
     from transformers import AutoModelForCausalLM
 
-    config = _config(arch, rope_parameters, vocab_size=vocab, hidden_size=hidden,
+    config = _config(arch, rope_parameters, moe, vocab_size=vocab, hidden_size=hidden,
                      intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
                      num_key_value_heads=kv_heads, max_position_embeddings=positions, rms_norm_eps=1e-6,
                      tie_word_embeddings=tie, attn_implementation="eager")

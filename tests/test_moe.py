@@ -5,7 +5,8 @@ The tiny random Qwen3-MoE (tests/_tiny_model.py: 8 experts, top-2 renormalised, 
 per layout for the module): its HF checkpoint-file weights (``mlp.experts.{e}.*_proj``) come
 back bitwise, its per-token logprobs on packed sequences equal transformers' on each sequence
 alone (same experts chosen, same renormalised weights), and one PPO batch trains the same at
-TP=2 (experts split over the expert-TP group) as at PP=2 (experts whole).
+TP=2 (experts split over the expert-TP group) as at PP=2 (experts whole). A third launch
+checks the logprobs without norm_topk_prob (megatron's other router branch, pre-softmax).
 """
 
 from types import SimpleNamespace
@@ -30,9 +31,9 @@ def _seqs():
     return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
 
 
-def _hf_logprobs() -> torch.Tensor:
+def _hf_logprobs(shape) -> torch.Tensor:
     """transformers' per-token logprobs of each sequence alone (0 at its first token)."""
-    _, _, hf = tiny_model(ARCH, vocab=VOCAB)
+    _, _, hf = tiny_model(ARCH, vocab=VOCAB, **shape)
     out = []
     with torch.no_grad():
         for s in _seqs():
@@ -42,10 +43,10 @@ def _hf_logprobs() -> torch.Tensor:
     return torch.cat(out)
 
 
-def _worker(rank, world, tp, pp):
+def _worker(rank, world, tp, pp, shape):
     from _actor_setup import tiny_actor
 
-    actor = tiny_actor(tp=tp, pp=pp, arch=ARCH)
+    actor = tiny_actor(tp=tp, pp=pp, arch=ARCH, shape=shape)
     logp = actor.compute_logprobs(pack(_seqs()))
     loaded = actor.hf_state_dict()  # collective over TP
     s = train_seqs()
@@ -56,14 +57,18 @@ def _worker(rank, world, tp, pp):
 
 @pytest.fixture(scope="module")
 def run():
-    """run(tp, pp): each rank's (logprobs, HF weights loaded, HF weights trained)."""
+    """run(tp, pp, norm): each rank's (logprobs, HF weights loaded, HF weights trained)."""
     cache = {}
 
-    def get(tp, pp):
-        if (tp, pp) not in cache:
-            cache[tp, pp] = run_gloo(_worker, 2, tp, pp)
-        return cache[tp, pp]
+    def get(tp, pp, norm=True):
+        if (tp, pp, norm) not in cache:
+            cache[tp, pp, norm] = run_gloo(_worker, 2, tp, pp, _shape(norm))
+        return cache[tp, pp, norm]
     return get
+
+
+def _shape(norm: bool) -> dict:
+    return {} if norm else {"moe": {"norm_topk_prob": False}}
 
 
 def _merged(results, i):
@@ -87,10 +92,11 @@ def test_moe_hf_weights_round_trip_through_megatron_bitwise(run, tp, pp):
 
 
 @pytest.mark.multirank
-@LAYOUTS
-def test_moe_packed_logprobs_equal_transformers_per_sequence(run, tp, pp):
-    want = _hf_logprobs()
-    for logp, _, _ in run(tp, pp):  # every rank gets them
+@pytest.mark.parametrize("tp, pp, norm", [(2, 1, True), (1, 2, True), (2, 1, False)])
+def test_moe_packed_logprobs_equal_transformers_per_sequence(run, tp, pp, norm):
+    """norm: norm_topk_prob, which selects megatron's moe_router_pre_softmax (off / on)."""
+    want = _hf_logprobs(_shape(norm))
+    for logp, _, _ in run(tp, pp, norm):  # every rank gets them
         assert (logp - want).abs().max() <= 1e-4
 
 
@@ -154,3 +160,23 @@ def test_moe_transformer_config_matches_hf_routing():
     odd = ModelArgs.from_hf(_config(moe_intermediate_size=33))
     with pytest.raises(ValueError, match="moe_intermediate_size=33 must be divisible by tp=2"):
         transformer_config(odd, tp_size=2, pp_size=1, params_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_moe_weight_sync_plan_sends_every_expert_in_checkpoint_names_and_shapes(pp_rank):
+    """The weight syncer's buckets come from the adapter's entries (weight_sync/buckets.py),
+    so a TP=2, PP=2 plan covers this stage's experts, routers and dense MLP at HF shapes."""
+    from areal_mcore.weight_sync.buckets import make_plan
+
+    _, state, _ = tiny_model(ARCH, vocab=VOCAB)
+    args = ModelArgs.from_hf(_config())
+    shard = adapter.from_hf(state, args, tp_rank=0, tp_size=2, pp_rank=pp_rank, pp_size=2, padded_vocab=256)
+    plan = make_plan({n: t.shape for n, t in shard.items()}, args, tp_size=2, pp_rank=pp_rank, pp_size=2,
+                     dtype="float32", bucket_bytes=1 << 16)
+    sent = {hf: shape for bucket in plan.buckets for unit in bucket for hf, shape in unit.hf}
+    layers = range(2 * pp_rank, 2 * pp_rank + 2)
+    want = {k: tuple(v.shape) for k, v in state.items()
+            if any(k.startswith(f"model.layers.{i}.") for i in layers)
+            or (pp_rank == 0 and k == "model.embed_tokens.weight")
+            or (pp_rank == 1 and k in ("model.norm.weight", "lm_head.weight"))}
+    assert sent == want
