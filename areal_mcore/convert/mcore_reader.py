@@ -82,8 +82,14 @@ class McoreCheckpointReader:
         keep each layer under its own global index (``non_homogeneous_layers``, megatron-core
         0.16 and 0.19); its SequentialMLP stores the experts of a layer stacked along a
         leading axis as ``mlp.experts.experts.*`` (experts.py, SequentialMLP.sharded_state_dict).
+        An MoE layer's pre-MLP norm is a module of its own in TE's spec, stored as
+        ``pre_mlp_layernorm.weight`` (model/hf_config.py makes the local spec save it so too;
+        before that it used the fused name): the name the checkpoint holds is taken.
         """
-        name = adapter.te_name(name)
+        fused = self._stored_key(adapter.te_name(name), layer)
+        return fused if fused[0] in self.stored else self._stored_key(name, layer)
+
+    def _stored_key(self, name: str, layer: int) -> tuple[str, tuple[int, ...], int | None]:
         expert = None
         m = _EXPERT.fullmatch(name)
         if m:

@@ -151,6 +151,14 @@ def layer_spec(use_te: bool, qk_layernorm: bool = False, num_experts: int | None
         attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     spec.submodules.input_layernorm = SequenceParallelRMSNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if num_experts:
+        # The local spec saves pre_mlp_layernorm under the name TE's spec fuses it into
+        # (``mlp.linear_fc1.layer_norm_``), for MoE layers too; TE's MoE layer has no fc1 to
+        # fuse into and keeps ``pre_mlp_layernorm`` (gpt_layer_specs.py,
+        # get_gpt_layer_with_transformer_engine_spec). Saved as TE does, a CPU (local spec)
+        # checkpoint of an MoE model has the key names a GPU one has.
+        keys = spec.submodules.sharded_state_dict_keys_map
+        spec.submodules.sharded_state_dict_keys_map = {k: v for k, v in keys.items() if k != "pre_mlp_layernorm."}
     return spec
 
 
