@@ -180,3 +180,19 @@ def test_moe_weight_sync_plan_sends_every_expert_in_checkpoint_names_and_shapes(
             or (pp_rank == 0 and k == "model.embed_tokens.weight")
             or (pp_rank == 1 and k in ("model.norm.weight", "lm_head.weight"))}
     assert sent == want
+
+
+def test_moe_args_read_transformers_5_and_released_config_json_alike(tmp_path):
+    """transformers 5 writes ``num_local_experts`` (Qwen3MoeConfig.attribute_map); the
+    released Qwen3-MoE config.json files say ``num_experts``."""
+    import json
+
+    from areal_mcore.model.args import folder_args
+
+    hf, _, _ = tiny_model(ARCH, vocab=VOCAB)
+    hf.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert "num_local_experts" in written and "num_experts" not in written
+    released = {("num_experts" if k == "num_local_experts" else k): v for k, v in written.items()}
+    assert folder_args(tmp_path) == ModelArgs.from_hf(SimpleNamespace(**released)) == ModelArgs.from_hf(hf)
+    assert folder_args(tmp_path).num_experts == MOE["num_experts"]
