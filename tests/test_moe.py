@@ -140,6 +140,7 @@ def test_moe_adapter_names_every_checkpoint_weight_once():
     ({"num_experts_per_tok": 1}, "num_experts_per_tok=1 with norm_topk_prob=true is not supported"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 is not supported"),
     ({"mlp_only_layers": [4]}, "mlp_only_layers=[4] is not supported"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step=0 is not supported"),
     ({"num_experts": 0}, "num_experts=0 is not supported"),
 ])
 def test_moe_args_refuse_an_unmappable_config_naming_the_key(overrides, message):

@@ -200,7 +200,8 @@ def _moe_fields(hf) -> dict:
     if getattr(hf, "shared_expert_intermediate_size", 0):
         raise ValueError(f"shared_expert_intermediate_size={hf.shared_expert_intermediate_size} is not supported "
                          f"for model_type='qwen3_moe' (it has no shared experts); supported: 0 or absent")
-    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    step = getattr(hf, "decoder_sparse_step", None)
+    step = 1 if step is None else int(step)
     if step < 1:
         raise ValueError(f"decoder_sparse_step={step} is not supported: it must be >= 1")
     layers = hf.num_hidden_layers
