@@ -120,7 +120,7 @@ $(STAMP019): $(BASE019) setup.py Makefile | $(STAMP)
 # CI's added time near 12 minutes: `make test-mcore019 MCORE_TESTS='$(MCORE_TESTS_ALL)'`.
 MCORE_BASE := tests/test_cpu_shims.py tests/test_actor.py tests/test_checkpoint.py \
 	tests/test_convert.py tests/test_weight_sync.py tests/test_sft.py tests/test_ppo_e2e.py \
-	tests/test_mcore_versions.py
+	tests/test_mcore_versions.py tests/test_moe.py
 MCORE_TESTS := $(MCORE_BASE) \
 	tests/test_sequence_parallel.py::test_tp2_sequence_parallel_equals_tp2_and_saves_activation_memory
 MCORE_TESTS_ALL := $(MCORE_BASE) tests/test_sequence_parallel.py tests/test_tied_pipeline.py \

@@ -42,7 +42,8 @@ class CpuTESpecProvider(LocalSpecProvider):
     def core_attention(self):
         return CPUCoreAttention
 
-    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False):
+    # has_residual: megatron-core 0.19 asks it of an MoE layer's pre-MLP norm (models/backends.py)
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
         return SequenceParallelRMSNorm
 
 

@@ -2,7 +2,8 @@
 
 ``tiny_model(arch)`` builds each architecture the model layer supports: ``qwen2`` (the
 boba models; ``tiny_qwen2`` is it), ``qwen3`` (per-head q/k norms, a ``head_dim`` other
-than hidden/heads) and ``llama3`` (LLaMA with Llama 3.1's RoPE scaling).
+than hidden/heads), ``llama3`` (LLaMA with Llama 3.1's RoPE scaling) and ``qwen3_moe``
+(8 experts, top-2, renormalised; layer 2 of 4 dense via ``mlp_only_layers``).
 """
 
 from __future__ import annotations
@@ -13,16 +14,24 @@ import torch
 # head_dim-16 model within 100 positions (Llama 3's own theta, 500000).
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-ARCHS = ("qwen2", "qwen3", "llama3")
+ARCHS = ("qwen2", "qwen3", "llama3", "qwen3_moe")
+# The MoE model's experts: its dense layer (mlp_only_layers) is the first layer of the second
+# pipeline stage at pp=2, so a stage's local layer indices must find the right global ones.
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+       "mlp_only_layers": [2], "decoder_sparse_step": 1}
 
 
-def _config(arch: str, rope_parameters: dict | None, head_dim: int | None = None, **common):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+def _config(arch: str, rope_parameters: dict | None, moe: dict | None = None, head_dim: int | None = None,
+            **common):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if arch == "qwen2":
         return Qwen2Config(**common, rope_theta=10000.0, use_sliding_window=False)
     if arch == "qwen3":  # head_dim 24 != hidden 64 / 4 heads: megatron's kv_channels
         return Qwen3Config(**common, head_dim=head_dim or 24, rope_theta=10000.0, use_sliding_window=False)
+    if arch == "qwen3_moe":  # head_dim 32 != hidden 64 / 4 heads
+        return Qwen3MoeConfig(**common, **{**MOE, **(moe or {})}, head_dim=head_dim or 32, rope_theta=10000.0,
+                              use_sliding_window=False)
     if arch == "llama3":  # Llama 3.1's max_position_embeddings (transformers warns below 8192)
         return LlamaConfig(**{**common, "max_position_embeddings": 131072},
                            rope_parameters=dict(rope_parameters or LLAMA3_ROPE))
@@ -32,17 +41,19 @@ def _config(arch: str, rope_parameters: dict | None, head_dim: int | None = None
 def tiny_model(arch: str = "qwen2", seed: int = 0, *, tie: bool = False, layers: int = 4, vocab: int = 250,
                hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 96,
                positions: int = 256, rope_parameters: dict | None = None, qk_gain: float = 1.0,
-               head_dim: int | None = None):
+               moe: dict | None = None, head_dim: int | None = None):
     """(hf_config, state_dict, model) of a seeded random model of ``arch`` in fp32, eval mode.
 
-    ``rope_parameters`` overrides llama3's RoPE settings. ``qk_gain`` scales the q/k
-    projections: at HF's init (std 0.02) attention is near uniform and hardly sees positions,
+    ``rope_parameters`` overrides llama3's RoPE settings, ``moe`` keys of qwen3_moe's ``MOE``.
+    ``qk_gain`` scales the q/k projections: at HF's init (std 0.02) attention is near uniform and hardly sees positions,
     so a wrong RoPE would change logprobs by only ~1e-4; a gain of 8 makes it ~1e-2.
-    The default head_dim is 16 (24 for qwen3, or ``head_dim``); vLLM's CPU attention needs
-    32 or more (``VLLM_SHAPE``)."""
+    The default head_dim is 16 (24 for qwen3, 32 for qwen3_moe, or ``head_dim``); vLLM's CPU
+    attention needs 32 or more (``VLLM_SHAPE``). The state dict has the names of HF checkpoint
+    files (what ``save_pretrained`` writes): transformers >= 5 keeps MoE experts stacked in
+    memory (``mlp.experts.gate_up_proj``) and unstacks them on save (``revert_weight_conversion``)."""
     from transformers import AutoModelForCausalLM
 
-    config = _config(arch, rope_parameters, head_dim, vocab_size=vocab, hidden_size=hidden,
+    config = _config(arch, rope_parameters, moe, head_dim, vocab_size=vocab, hidden_size=hidden,
                      intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
                      num_key_value_heads=kv_heads, max_position_embeddings=positions, rms_norm_eps=1e-6,
                      tie_word_embeddings=tie, attn_implementation="eager")
@@ -54,7 +65,13 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, *, tie: bool = False, layers:
                 p.add_(torch.randn_like(p) * 0.1)
             if qk_gain != 1.0 and name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(qk_gain)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if name.endswith("mlp.gate.weight"):
+                # Router logits of std ~2, not HF's ~0.1: the top-k is then decided by margins
+                # far above float rounding, so megatron and HF pick the same experts.
+                p.normal_(0.0, 0.3)
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = {k: v.detach().clone() for k, v in revert_weight_conversion(model, model.state_dict()).items()}
     return config, state, model
 
 

@@ -95,7 +95,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 
 @pytest.mark.parametrize("config, line", [
-    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; use one of ['qwen2', 'llama', 'qwen3']"),
+    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; use one of ['qwen2', 'llama', 'qwen3', 'qwen3_moe']"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      "rope_scaling.rope_type='yarn' is not supported; use one of ['default', 'llama3']"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},  # the pre-4.45 spelling of rope_type
@@ -188,11 +188,14 @@ def _te_spec_worker(rank, world, arch):
     with torch.no_grad():
         got = model(ids, torch.arange(12)[None], attention_mask=None)[0, :, :250]
         want = hf(ids).logits[0]
+    local = build_gpt_model(args, config, padded_vocab=vocab, use_te=False, pre_process=True, post_process=True)
+    saved = [sorted(v.key for v in m.sharded_state_dict().values() if "_extra_state" not in v.key)
+             for m in (model, local)]
     return ([n for n, _ in model.named_parameters()], {k: torch.equal(back[k], v) for k, v in state.items()},
-            float((got - want).abs().max()))
+            float((got - want).abs().max()), saved)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
 def test_the_te_specs_fused_norm_weights_load_from_hf_and_export_back(arch):
     """TransformerEngine's spec names the layer norms after the linear they are fused into
     (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); Qwen3's q/k norms
@@ -205,11 +208,18 @@ def test_the_te_specs_fused_norm_weights_load_from_hf_and_export_back(arch):
     # megatron's own map between the two specs' names (its checkpoints use it) is ours
     local = get_gpt_layer_local_spec(normalization="RMSNorm")
     assert local.submodules.sharded_state_dict_keys_map == adapter.TE_FUSED_NORMS
-    names, exported, err = run_gloo(_te_spec_worker, 1, arch)[0]
-    assert {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
-            "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"} <= set(names)
-    assert not [n for n in names if "input_layernorm" in n or "pre_mlp_layernorm" in n]
+    names, exported, err, (te_keys, local_keys) = run_gloo(_te_spec_worker, 1, arch)[0]
+    assert te_keys == local_keys  # a checkpoint saved on either spec loads on the other
+    dense = 2 if arch == "qwen3_moe" else 0  # tests/_tiny_model.py MOE: layer 2 is dense
+    assert {f"decoder.layers.{dense}.self_attention.linear_qkv.layer_norm_weight",
+            f"decoder.layers.{dense}.mlp.linear_fc1.layer_norm_weight"} <= set(names)
+    assert not [n for n in names if "input_layernorm" in n]
+    # An MoE layer has no linear_fc1 to fuse its pre-MLP norm into: TE's spec keeps the
+    # norm a module of its own (gpt_layer_specs.py, get_gpt_layer_with_transformer_engine_spec).
+    unfused = sorted(n for n in names if "pre_mlp_layernorm" in n)
+    assert unfused == ([f"decoder.layers.{i}.pre_mlp_layernorm.weight" for i in (0, 1, 3)]
+                       if arch == "qwen3_moe" else [])
     qk = {"decoder.layers.0.self_attention.q_layernorm.weight", "decoder.layers.0.self_attention.k_layernorm.weight"}
-    assert (qk <= set(names)) == (arch == "qwen3")
+    assert (qk <= set(names)) == arch.startswith("qwen3")
     assert all(exported.values()), [k for k, ok in exported.items() if not ok]
     assert err <= 1e-4, err

@@ -198,7 +198,8 @@ def _convert(*args):
 
 
 @pytest.mark.slow  # 243 s on the 2 shared cores (llama3 took 223 s too: it adds no weight names)
-@pytest.mark.parametrize("arch", ["qwen3"])
+# qwen3_moe: its checkpoint keys each layer by index and stacks a layer's experts (mcore_reader.py)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_convert_hf_to_tp2_and_back_is_bitwise_and_verifies(arch, tmp_path):
     from areal_mcore.convert.tools import load_hf_state_dict
 

@@ -34,8 +34,8 @@ def _checkpointer(root):
     return Checkpointer(CheckpointConfig(root=root, keep_last=2), dist.group.WORLD)
 
 
-def _train_worker(rank, world, root, resume, save_at):
-    actor = _actor(cap=16)
+def _train_worker(rank, world, root, resume, save_at, tp=1, arch="qwen2"):
+    actor = _actor(cap=16, tp=tp, arch=arch)
     ckpt = _checkpointer(root)
     start = ckpt.load(actor).extra["data_position"] if resume else 0
     g, losses = actor.groups, []
@@ -62,6 +62,19 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(uninterrupted, tmp_
     assert set(weights) == set(ref_weights)
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
     assert (tmp_path / "latest").read_text() == f"step_{SAVE_AT:08d}"
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_resume_of_a_tp2_qwen3_moe_actor_is_bitwise_identical(tmp_path):
+    """Experts split over TP, routers replicated, the optimizer's expert state: all resume."""
+    moe = (2, "qwen3_moe")
+    losses, ref_weights = run_gloo(_train_worker, 2, str(tmp_path / "full"), False, None, *moe)[0]
+    first, _ = run_gloo(_train_worker, 2, str(tmp_path / "cut"), False, SAVE_AT, *moe)[0]
+    rest, weights = run_gloo(_train_worker, 2, str(tmp_path / "cut"), True, None, *moe)[0]
+    assert first + rest == losses
+    assert set(weights) == set(ref_weights) and "model.layers.3.mlp.experts.7.up_proj.weight" in weights
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from areal_mcore.cli import main
 from areal_mcore.config import load_config
@@ -162,3 +163,33 @@ def test_unknown_architecture_names_the_key():
     cfg = load_config("configs/boba_32b_ppo.yaml", ["plan.architecture=null"])
     with pytest.raises(ValueError, match="plan.architecture"):
         make_plan(cfg)
+
+
+def _hf_parameter_count(config) -> int:
+    """transformers' own count: the model built on the meta device (no memory, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_stage_params_count_experts_routers_and_dense_layers_of_qwen3_moe_like_transformers(pp):
+    from transformers import Qwen3MoeConfig
+
+    from areal_mcore.model.args import ModelArgs
+
+    # Qwen3-30B-A3B's shapes (its public config.json), and a variant with dense layers
+    # (mlp_only_layers, decoder_sparse_step) whose MLP is intermediate_size wide.
+    a3b = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+               num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+               moe_intermediate_size=768, norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False,
+               max_position_embeddings=40960)
+    for extra in ({}, {"mlp_only_layers": [0, 5], "decoder_sparse_step": 2}):
+        config = Qwen3MoeConfig(**a3b, **extra)
+        args = ModelArgs.from_hf(config)
+        total = _hf_parameter_count(config)
+        if not extra:
+            assert total == 30_532_122_624  # "30.5B" on the model card
+        assert sum(stage_params(args, TrainerShape(pp=pp), s) for s in range(pp)) == total

@@ -1,7 +1,8 @@
 """Reads the model weights of a training checkpoint one layer at a time, in HF names.
 
 ``dist_checkpointing`` stores every weight as one global tensor (TP shards placed at
-their offsets, transformer layers stacked along a leading axis), so what is read here
+their offsets, transformer layers, or an MoE layer's experts, stacked along a leading
+axis), so what is read here
 does not depend on the TP/PP layout that saved it. Requesting one layer's region reads
 only that layer's chunks, which keeps the peak memory near one layer.
 """
@@ -24,6 +25,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from areal_mcore.model import adapter
 from areal_mcore.model.args import ModelArgs
 from areal_mcore.run_dir import latest_checkpoint
+
+_LAYER_INDEX = re.compile(r"^decoder\.layers\.\d+\.")
+_EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.)experts\.local_experts\.(\d+)\.(.*)")
 
 
 class _RegionPlanner(DefaultLoadPlanner):
@@ -68,11 +72,33 @@ class McoreCheckpointReader:
         """Accepts a checkpoint folder or a checkpoint root with a ``latest`` pointer."""
         return cls(latest_checkpoint(path) or path)
 
-    @staticmethod
-    def _key(name: str) -> str:
-        """The stored key of a module parameter: megatron saves both specs under the TE
-        spec's names (``adapter.te_name``), layers stacked along an axis (index dropped)."""
-        return re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", adapter.te_name(name))
+    def _locate(self, name: str, layer: int) -> tuple[str, tuple[int, ...], int | None]:
+        """(stored key, leading offsets of ``layer``'s region in it, expert index or None)
+        of a module parameter of the one-layer stage ``layer``.
+
+        megatron saves both specs under the TE spec's names (``adapter.te_name``). A dense
+        model's layers are stacked along a leading axis (index dropped from the key). An
+        MoE model's moe_layer_freq is a list, which makes TransformerBlock.sharded_state_dict
+        keep each layer under its own global index (``non_homogeneous_layers``, megatron-core
+        0.16 and 0.19); its SequentialMLP stores the experts of a layer stacked along a
+        leading axis as ``mlp.experts.experts.*`` (experts.py, SequentialMLP.sharded_state_dict).
+        An MoE layer's pre-MLP norm is a module of its own in TE's spec, stored as
+        ``pre_mlp_layernorm.weight`` (model/hf_config.py makes the local spec save it so too;
+        before that it used the fused name): the name the checkpoint holds is taken.
+        """
+        fused = self._stored_key(adapter.te_name(name), layer)
+        return fused if fused[0] in self.stored else self._stored_key(name, layer)
+
+    def _stored_key(self, name: str, layer: int) -> tuple[str, tuple[int, ...], int | None]:
+        expert = None
+        m = _EXPERT.fullmatch(name)
+        if m:
+            name, expert = m[1] + "experts.experts." + m[3], int(m[2])
+        if not name.startswith("decoder.layers."):
+            return name, (), expert
+        if self.args.num_experts:
+            return _LAYER_INDEX.sub(f"decoder.layers.{layer}.", name), (), expert
+        return _LAYER_INDEX.sub("decoder.layers.", name), (layer,), expert
 
     def read_layer(self, layer: int) -> dict[str, torch.Tensor]:
         """HF tensors of one transformer layer (plus embedding / final norm / lm head at the ends).
@@ -81,30 +107,32 @@ class McoreCheckpointReader:
         """
         L = self.args.num_layers
         names = [n for _, n, _ in adapter.stage_entries(self.args, layer, L, tied_copy=False)]
-        buffers, offsets, keys = {}, {}, {}
+        buffers, offsets, where = {}, {}, {}
         for name in names:
-            key = self._key(name)
+            key, lead, expert = self._locate(name, layer)
             if key not in self.stored:
                 raise adapter.WeightMismatchError(f"{self.path}: checkpoint lacks {key!r} (needed for {name}); is it "
                                                   f"from another architecture?")
             meta = self.stored[key]
-            per_layer = name.startswith("decoder.layers.")
-            shape = (1, *meta.size[1:]) if per_layer else tuple(meta.size)
-            buffers[key] = torch.empty(shape, dtype=meta.properties.dtype)
-            offsets[key] = (layer,) + (0,) * (len(shape) - 1) if per_layer else (0,) * len(shape)
-            keys[name] = key
+            shape = (1,) * len(lead) + tuple(meta.size[len(lead):])
+            if key not in buffers:  # a layer's experts share one key: read it once
+                buffers[key] = torch.empty(shape, dtype=meta.properties.dtype)
+                offsets[key] = lead + (0,) * (len(shape) - len(lead))
+            where[name] = key, len(lead), expert
         with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(buffers, storage_reader=FileSystemReader(str(self.path / "model")),
                      planner=_RegionPlanner(offsets), no_dist=True)
-        local = {name: buffers[key][0] if name.startswith("decoder.layers.") else buffers[key]
-                 for name, key in keys.items()}
+        local = {}
+        for name, (key, stacked, expert) in where.items():
+            t = buffers[key][0] if stacked else buffers[key]
+            local[name] = t if expert is None else t[expert]
         return adapter.to_hf([local], self.args, pp_rank=layer, pp_size=L)
 
     def check_keys(self) -> None:
         """Raises listing stored model tensors the export would not use, and missing ones."""
         L = self.args.num_layers
-        needed = {self._key(n) for stage in range(L)
+        needed = {self._locate(n, stage)[0] for stage in range(L)
                   for _, n, _ in adapter.stage_entries(self.args, stage, L, tied_copy=False)}
         stored = {k for k in self.stored if not k.startswith("optimizer.")}
         missing, extra = sorted(needed - stored), sorted(stored - needed)

@@ -1,10 +1,16 @@
-"""HF <-> megatron state-dict adapter for Qwen2 / Qwen3 / LLaMA, declared as data.
+"""HF <-> megatron state-dict adapter for Qwen2 / Qwen3 / Qwen3-MoE / LLaMA, declared as data.
 
 ``PARAMS`` lists every weight once: its megatron name, its HF name(s) and a *kind*
 that says how the tensors are fused and how they are split over tensor-parallel ranks.
 ``from_hf`` produces one (TP rank, PP stage)'s megatron shard; ``to_hf`` takes the
 shards of all TP ranks of a stage and returns HF tensors. Layer indices: ``{i}`` is the
-global HF layer, ``{l}`` the stage-local megatron layer.
+global HF layer, ``{l}`` the stage-local megatron layer; ``{e}`` is an expert.
+
+Experts use the names of HF checkpoint files (``mlp.experts.{e}.{gate,up,down}_proj``), which
+transformers >= 5 writes and reads: in memory it stacks them into 3-D ``mlp.experts.gate_up_proj``
+/ ``down_proj`` (modeling_qwen3_moe.py, Qwen3MoeExperts) and converts on load and save
+(conversion_mapping.py: qwen3_moe uses qwen2_moe's MergeModulelist + Concatenate;
+``save_pretrained`` reverts it, core_model_loading.py ``revert_weight_conversion``).
 
 Kinds (the only place that knows layouts):
 - ``replicated``: the same tensor on every TP rank (norms, including Qwen3's per-head q/k
@@ -35,6 +41,13 @@ class ParamMap:
     per_layer: bool = True
     stage: str = "any"  # "first" (embedding), "last" (final norm, lm head) or "any"
     only_if: Callable[[ModelArgs], bool] = lambda args: True
+    # Per layer: whether global layer i has this weight (an MoE model's dense vs MoE layers).
+    layer_if: Callable[[ModelArgs, int], bool] = lambda args, i: True
+    per_expert: bool = False  # one entry per expert ``{e}`` of the layer
+
+
+def _dense_mlp(args: ModelArgs, i: int) -> bool:
+    return not args.is_moe_layer(i)
 
 
 _L = "decoder.layers.{l}."
@@ -55,8 +68,18 @@ PARAMS: tuple[ParamMap, ...] = (
     ParamMap(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row"),
     ParamMap(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated"),
     ParamMap(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
-             "gate_up"),
-    ParamMap(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row"),
+             "gate_up", layer_if=_dense_mlp),
+    ParamMap(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row", layer_if=_dense_mlp),
+    # MoE layers (megatron's MoELayer: TopKRouter + SequentialMLP). The router is a plain
+    # parameter every TP rank holds whole (transformer/moe/router.py, Router.__init__); each
+    # expert is an MLP split over the expert-TP group, which at EP=1 is the TP group, exactly
+    # like a dense MLP (transformer/moe/experts.py, SequentialMLP).
+    ParamMap(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), "replicated", layer_if=ModelArgs.is_moe_layer),
+    ParamMap(_L + "mlp.experts.local_experts.{e}.linear_fc1.weight",
+             (_H + "mlp.experts.{e}.gate_proj.weight", _H + "mlp.experts.{e}.up_proj.weight"), "gate_up",
+             layer_if=ModelArgs.is_moe_layer, per_expert=True),
+    ParamMap(_L + "mlp.experts.local_experts.{e}.linear_fc2.weight", (_H + "mlp.experts.{e}.down_proj.weight",),
+             "row", layer_if=ModelArgs.is_moe_layer, per_expert=True),
     ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated",
              per_layer=False, stage="last"),
     ParamMap("output_layer.weight", ("lm_head.weight",), "vocab", per_layer=False, stage="last",
@@ -199,7 +222,10 @@ def stage_entries(args: ModelArgs, pp_rank: int, pp_size: int, *, tied_copy: boo
             continue
         if p.per_layer:
             for local, i in enumerate(stage_layers(args, pp_rank, pp_size)):
-                yield p, p.mcore.format(l=local), tuple(h.format(i=i) for h in p.hf)
+                if not p.layer_if(args, i):
+                    continue
+                for e in range(args.num_experts) if p.per_expert else (None,):
+                    yield p, p.mcore.format(l=local, e=e), tuple(h.format(i=i, e=e) for h in p.hf)
         else:
             yield p, p.mcore, p.hf
     # A tied lm head lives in the first stage's embedding; megatron keeps a copy in the

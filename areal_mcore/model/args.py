@@ -1,8 +1,10 @@
-"""The architecture read from an HF Qwen2 / Qwen3 / LLaMA config (no megatron import).
+"""The architecture read from an HF Qwen2 / Qwen3 / Qwen3-MoE / LLaMA config (no megatron import).
 
 R1-Distill-Qwen models are Qwen2: GQA, SwiGLU, RMSNorm, RoPE, bias on q/k/v only. LLaMA
 is the same without the qkv bias; Qwen3 adds a per-head RMSNorm on q and k before RoPE
 (megatron's ``qk_layernorm``) and states ``head_dim``, which may differ from hidden/heads.
+Qwen3-MoE is Qwen3 with a routed mixture of experts in place of the MLP in every layer
+``decoder_sparse_step`` and ``mlp_only_layers`` select (no shared experts).
 RoPE is plain or llama3-scaled (Llama 3.1+), as far as megatron-core expresses it. Anything
 the mapping cannot represent (other RoPE scalings, sliding windows, biases megatron has no
 place for, other architectures) is an error naming the key, not a silently different model.
@@ -23,12 +25,14 @@ class Architecture:
 
     qkv_bias: bool  # q/k/v projections carry a bias (Qwen2 always; the others never)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (``self_attn.{q,k}_norm``)
+    moe: bool = False  # routed experts (``mlp.gate`` + ``mlp.experts.{e}``) in the sparse layers
 
 
 ARCHITECTURES = {
     "qwen2": Architecture(qkv_bias=True, qk_norm=False),
     "llama": Architecture(qkv_bias=False, qk_norm=False),
     "qwen3": Architecture(qkv_bias=False, qk_norm=True),
+    "qwen3_moe": Architecture(qkv_bias=False, qk_norm=True, moe=True),
 }
 SUPPORTED = tuple(ARCHITECTURES)
 
@@ -97,10 +101,33 @@ class ModelArgs:
     # Not architecture, but every HF <-> megatron name mapping (adapter, weight sync,
     # export) needs it together with the architecture, so it travels here.
     pipeline_split: tuple[int, ...] | None = None
+    # Routed experts (Qwen3-MoE); num_experts 0: a dense model (every field below unused).
+    # Routing as transformers' Qwen3MoeTopKRouter: softmax over all experts' logits, the
+    # moe_top_k largest, renormalised to sum 1 when norm_topk_prob.
+    num_experts: int = 0
+    moe_top_k: int = 0  # HF num_experts_per_tok
+    moe_ffn_hidden_size: int = 0  # HF moe_intermediate_size (each expert's SwiGLU width)
+    norm_topk_prob: bool = False
+    # HF's load-balancing loss weight, as the checkpoint states it; HF itself adds that loss
+    # only with output_router_logits. The actor does not apply it (transformer_config's
+    # moe_aux_loss_coeff defaults to 0): whether RL adds it is the trainer's decision.
+    router_aux_loss_coef: float = 0.0
+    # Global indices of the layers of an MoE model that keep a dense MLP of ffn_hidden_size
+    # (HF mlp_only_layers and the layers decoder_sparse_step skips).
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.pipeline_split is not None:  # a JSON manifest gives a list
-            object.__setattr__(self, "pipeline_split", tuple(self.pipeline_split))
+        for key in ("pipeline_split", "dense_layers"):  # a JSON manifest gives lists
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, tuple(getattr(self, key)))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` holds routed experts instead of a dense MLP."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    def moe_layer_pattern(self) -> list[int]:
+        """megatron's ``moe_layer_freq`` as a list: 1 for an MoE layer, 0 for a dense one."""
+        return [int(self.is_moe_layer(i)) for i in range(self.num_layers)]
 
     @classmethod
     def from_hf(cls, hf) -> ModelArgs:
@@ -125,6 +152,7 @@ class ModelArgs:
                 raise ValueError(f"{key}=true is not supported for model_type={hf.model_type!r}; "
                                  f"supported: {key}=false")
         heads = hf.num_attention_heads
+        moe = _moe_fields(hf) if arch.moe else {}
         return cls(
             model_type=hf.model_type,
             vocab_size=hf.vocab_size,
@@ -141,7 +169,52 @@ class ModelArgs:
             max_position_embeddings=hf.max_position_embeddings,
             qk_norm=arch.qk_norm,
             rope_scaling_factor=rope_scaling_factor,
+            **moe,
         )
+
+
+def _moe_fields(hf) -> dict:
+    """ModelArgs' expert fields from a Qwen3-MoE config; refuses what megatron's MoE layer
+    (transformer/moe/router.py TopKRouter, moe_utils.topk_softmax_with_capacity) cannot
+    reproduce exactly."""
+    # transformers >= 5 writes config.json with ``num_local_experts`` (Qwen3MoeConfig's
+    # attribute_map aliases num_experts to it); the released Qwen3-MoE configs say num_experts.
+    num_experts = getattr(hf, "num_experts", None)
+    num_experts = int(getattr(hf, "num_local_experts", 0) if num_experts is None else num_experts)
+    if num_experts < 1:
+        raise ValueError(f"num_experts={num_experts} is not supported for model_type={hf.model_type!r}: "
+                         f"it needs at least 1 expert (a dense model is model_type 'qwen3')")
+    top_k = int(hf.num_experts_per_tok)
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} is not supported: it must be between 1 and "
+                         f"num_experts={num_experts}")
+    norm = bool(getattr(hf, "norm_topk_prob", False))
+    # With norm_topk_prob megatron must take the softmax after the top-k (pre_softmax off,
+    # hf_config.py says why), which its TransformerConfig refuses for top-1 (a softmax over
+    # one logit has no gradient); HF's weight is then exactly 1 for every token.
+    if norm and top_k == 1:
+        raise ValueError("num_experts_per_tok=1 with norm_topk_prob=true is not supported: megatron-core "
+                         "refuses top-1 routing with the softmax after the top-k; use norm_topk_prob=false")
+    # Qwen2-MoE-style shared experts: Qwen3MoeSparseMoeBlock has none, so a config stating
+    # them describes weights transformers would ignore (and megatron would add).
+    if getattr(hf, "shared_expert_intermediate_size", 0):
+        raise ValueError(f"shared_expert_intermediate_size={hf.shared_expert_intermediate_size} is not supported "
+                         f"for model_type='qwen3_moe' (it has no shared experts); supported: 0 or absent")
+    step = getattr(hf, "decoder_sparse_step", None)
+    step = 1 if step is None else int(step)
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step={step} is not supported: it must be >= 1")
+    layers = hf.num_hidden_layers
+    mlp_only = list(getattr(hf, "mlp_only_layers", None) or [])
+    if any(not 0 <= i < layers for i in mlp_only):
+        raise ValueError(f"mlp_only_layers={mlp_only} is not supported: every entry must be a layer index "
+                         f"in [0, {layers})")
+    # transformers' Qwen3MoeDecoderLayer.__init__: sparse iff not in mlp_only_layers and
+    # (i + 1) % decoder_sparse_step == 0. Any such pattern is a megatron moe_layer_freq list.
+    dense = tuple(i for i in range(layers) if i in mlp_only or (i + 1) % step)
+    return dict(num_experts=num_experts, moe_top_k=top_k, moe_ffn_hidden_size=int(hf.moe_intermediate_size),
+                norm_topk_prob=norm, router_aux_loss_coef=float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0),
+                dense_layers=dense)
 
 
 def args_mismatch(expected: ModelArgs, actual: ModelArgs, expected_name: str, actual_name: str) -> str | None:

@@ -118,7 +118,22 @@ class _CPUCuda(types.ModuleType):
     def __getattr__(self, name):
         if name == "current_stream":
             return lambda *_, **__: torch.cpu.current_stream()
+        if name == "Stream":
+            return _CPUStream
+        if name == "stream":
+            return torch.cpu.stream
         return getattr(torch.cuda, name)
+
+
+class _CPUStream(torch.cpu.Stream):
+    """A side stream on CPU, for transformer/moe/token_dispatcher.py (0.16.1 and 0.19):
+    MoEAlltoAllTokenDispatcher creates a ``torch.cuda.Stream()`` in ``__init__`` and, in
+    ``_maybe_dtoh_and_synchronize``, copies the split sizes to the host on it, then
+    ``record_event().synchronize()``. torch's CPU stream is in order but its
+    ``record_event`` returns None; here it returns a (no-op) CPU event."""
+
+    def record_event(self, event=None):
+        return event or torch.cpu.Event()
 
 
 class _CPUTorch(types.ModuleType):
@@ -153,9 +168,16 @@ _HARD_CODED_CUDA = (
 )
 
 
+# Modules that use CUDA streams (``_CPUCuda``) on a path that also runs on CPU:
+_CUDA_STREAMS = (
+    "megatron.core.distributed.param_and_grad_buffer",  # listed above as well
+    "megatron.core.transformer.moe.token_dispatcher",  # the alltoall dispatcher of MoE layers
+)
+
+
 def _cuda_factories_to_cpu() -> None:
     cpu_torch = _CPUTorch()
-    for name in _HARD_CODED_CUDA:
+    for name in _HARD_CODED_CUDA + _CUDA_STREAMS:
         importlib.import_module(name).torch = cpu_torch
 
 

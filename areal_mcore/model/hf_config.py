@@ -9,6 +9,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer import transformer_block
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -17,6 +18,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from areal_mcore.model import mcore_compat
 from areal_mcore.model.args import ModelArgs, stage_layer_counts
 from areal_mcore.model.attention import CPUCoreAttention
 from areal_mcore.model.norm import SequenceParallelRMSNorm
@@ -28,7 +30,8 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
                        recompute: bool = False, recompute_granularity: str = "full",
                        sequence_parallel: bool = False, first_stage_layers: int | None = None,
                        last_stage_layers: int | None = None, on_gpu: bool = False,
-                       fused: bool = False, gradient_accumulation_fusion: bool = False) -> TransformerConfig:
+                       fused: bool = False, gradient_accumulation_fusion: bool = False,
+                       moe_aux_loss_coeff: float = 0.0) -> TransformerConfig:
     """The megatron config for ``args`` under the given parallelism.
 
     ``recompute`` turns on activation recomputation: ``full`` reruns each layer's forward
@@ -37,7 +40,9 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
     activations outside the TP regions along the tokens (needs tp > 1).
     ``first_stage_layers`` / ``last_stage_layers`` give the embedding / LM-head stages
     fewer layers (megatron's uneven pipeline split). ``fused`` turns on megatron's fused
-    kernels, which need TransformerEngine/apex on a GPU.
+    kernels, which need TransformerEngine/apex on a GPU. ``moe_aux_loss_coeff`` weights
+    megatron's per-micro-batch load-balancing loss of an MoE model (0: none; the actor
+    passes none, ``args.router_aux_loss_coef`` only records the checkpoint's value).
     """
     stage_layer_counts(args.num_layers, pp_size, first_stage_layers, last_stage_layers)  # validates
     for name, value in (("num_attention_heads", args.num_heads), ("num_key_value_heads", args.num_kv_heads)):
@@ -51,6 +56,7 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
         recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute:
         recompute_kw = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    moe_kw = _moe_config(args, tp_size, moe_aux_loss_coeff) if args.num_experts else {}
     uneven_kw = {}
     if pp_size > 1:  # megatron rejects these keys without pipeline parallelism
         uneven_kw = dict(num_layers_in_first_pipeline_stage=first_stage_layers,
@@ -91,18 +97,52 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
         apply_rope_fusion=fused,
         **recompute_kw,
         **uneven_kw,
+        **moe_kw,
     )
 
 
-def layer_spec(use_te: bool, qk_layernorm: bool = False) -> ModuleSpec:
+def _moe_config(args: ModelArgs, tp_size: int, aux_loss_coeff: float) -> dict:
+    """TransformerConfig's MoE keys reproducing transformers' Qwen3MoeSparseMoeBlock.
+
+    HF (modeling_qwen3_moe.py, Qwen3MoeTopKRouter.forward): softmax over all experts' logits
+    in fp32, top-k of those probabilities, divided by their sum when norm_topk_prob.
+    megatron (transformer/moe/moe_utils.py, topk_softmax_with_capacity): with
+    ``moe_router_pre_softmax`` the same softmax-then-top-k without renormalising; without it,
+    top-k of the logits then a softmax over those k, which is the renormalised top-k of the
+    full softmax (softmax is monotone, and the common denominator cancels). No capacity
+    factor: every token reaches its experts (dropless), as in HF.
+    """
+    if args.moe_ffn_hidden_size % tp_size:
+        raise ValueError(f"moe_intermediate_size={args.moe_ffn_hidden_size} must be divisible by tp={tp_size} "
+                         f"(expert tensor parallelism splits each expert like a dense MLP)")
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_top_k,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not args.norm_topk_prob,
+        moe_layer_freq=args.moe_layer_pattern(),
+        # Experts as a SequentialMLP of ordinary (column/row-parallel) MLPs: runs on CPU and
+        # keeps one named weight per expert for the adapter; grouped GEMM needs a GPU kernel.
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
+        moe_aux_loss_coeff=aux_loss_coeff,
+    )
+
+
+def layer_spec(use_te: bool, qk_layernorm: bool = False, num_experts: int | None = None) -> ModuleSpec:
     """TransformerEngine's spec when TE is usable, else the local spec + THD CPU attention
     and an RMSNorm that supports sequence parallelism (model/norm.py says why).
 
     ``qk_layernorm`` adds the per-head q/k norms; both specs name them
-    ``self_attention.{q,k}_layernorm.weight`` (TE does not fuse them into a linear)."""
+    ``self_attention.{q,k}_layernorm.weight`` (TE does not fuse them into a linear).
+    ``num_experts`` makes the MLP megatron's MoELayer (``mlp.router`` and a SequentialMLP
+    of ``mlp.experts.local_experts.{e}``); None: a dense MLP."""
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                          qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                    qk_layernorm=qk_layernorm)
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = CPUCoreAttention
     if qk_layernorm:
@@ -111,25 +151,45 @@ def layer_spec(use_te: bool, qk_layernorm: bool = False) -> ModuleSpec:
         attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     spec.submodules.input_layernorm = SequenceParallelRMSNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if num_experts:
+        # The local spec saves pre_mlp_layernorm under the name TE's spec fuses it into
+        # (``mlp.linear_fc1.layer_norm_``), for MoE layers too; TE's MoE layer has no fc1 to
+        # fuse into and keeps ``pre_mlp_layernorm`` (gpt_layer_specs.py,
+        # get_gpt_layer_with_transformer_engine_spec). Saved as TE does, a CPU (local spec)
+        # checkpoint of an MoE model has the key names a GPU one has.
+        keys = spec.submodules.sharded_state_dict_keys_map
+        spec.submodules.sharded_state_dict_keys_map = {k: v for k, v in keys.items() if k != "pre_mlp_layernorm."}
     return spec
 
 
 def block_spec(config: TransformerConfig, use_te: bool, pp_rank: int) -> ModuleSpec:
     """One pipeline stage's decoder. With the local spec the final norm is named here:
     given a bare layer spec, TransformerBlock picks its module-global ``LayerNormImpl``
-    (WrappedTorchNorm without TE/apex, which refuses sequence parallelism)."""
-    layer = layer_spec(use_te, config.qk_layernorm)
-    if use_te:
-        return layer
+    (WrappedTorchNorm without TE/apex, which refuses sequence parallelism).
+
+    An MoE model's layers follow ``config.moe_layer_freq`` (a 0/1 list over all layers);
+    this stage's slice starts after the layers megatron builds on the stages before it."""
+    dense = layer_spec(use_te, config.qk_layernorm)
     n = get_num_layers_to_build(config, pp_rank=pp_rank)
+    if config.num_moe_experts:
+        moe = layer_spec(use_te, config.qk_layernorm, config.num_moe_experts)
+        offset = sum(get_num_layers_to_build(config, pp_rank=r) for r in range(pp_rank))
+        layers = [moe if config.moe_layer_freq[offset + i] else dense for i in range(n)]
+    else:
+        layers = [dense] * n
+    if use_te and all(spec is layers[0] for spec in layers):
+        return layers[0]
+    norm = transformer_block.LayerNormImpl if use_te else SequenceParallelRMSNorm  # TE: TENorm
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
-        layer_specs=[layer] * n, layer_norm=SequenceParallelRMSNorm))
+        layer_specs=layers, layer_norm=norm))
 
 
 def build_gpt_model(args: ModelArgs, config: TransformerConfig, *, padded_vocab: int, use_te: bool,
                     pre_process: bool, post_process: bool, pp_rank: int = 0,
                     pg_collection=None) -> GPTModel:
     """The GPTModel for one pipeline stage (architecture only; parallelism is in config)."""
+    if config.num_moe_experts:
+        mcore_compat.define_moe_te_gemm()
     return GPTModel(
         config=config,
         transformer_layer_spec=block_spec(config, use_te, pp_rank),

@@ -5,7 +5,8 @@ Python 3.11 and 0.19.2 on Python 3.12 (0.17+ ships cp312 wheels only; NVIDIA's c
 carry 0.17+). Code that behaves differently across that range asks ``at_least`` here, and
 each such branch names the megatron-core version and call site it depends on. Two things
 differ so far: the CPU shims (``cpu_shims.py``: CUDA-only calls that 0.19 added on the CPU
-path) and which checkpoints a version can resume (``resume_refusal``). The actor,
+path), which checkpoints a version can resume (``resume_refusal``) and the MoE router
+without TransformerEngine (``define_moe_te_gemm``). The actor,
 checkpoint and conversion code otherwise uses APIs that are the same on every tested version.
 """
 
@@ -69,3 +70,17 @@ def warn_if_untested() -> None:
             f">={'.'.join(map(str, TESTED_MIN))},<{'.'.join(map(str, TESTED_BELOW))}",
             stacklevel=2,
         )
+
+
+def define_moe_te_gemm() -> None:
+    """Makes megatron-core 0.16's MoE router run without TransformerEngine.
+
+    transformer/moe/moe_utils.py imports ``te_general_gemm`` only when TE imports and, in
+    0.16.1, defines no fallback, so ``RouterGatingLinearFunction.forward`` (every MoE
+    router's logits) raises NameError without TE. 0.19 sets it to None there, which selects
+    its plain ``torch.mm`` branch; this does the same where the name is missing.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -15,6 +15,8 @@ Saved activations per layer and token (elements), as megatron's layers save them
   math SDPA saves q, the GQA-repeated k and v and the output (4q/t) plus one softmax
   matrix per head (Hq/t · L per token, L the token's sequence length), RoPE's cos/sin
   (4·head_dim per token, not sharded), SwiGLU 5f/t.
+MoE layers (Qwen3-MoE): their parameters are counted exactly (``layer_params``), their
+activations are not modelled yet: counted as a dense layer's of f = ``ffn_hidden_size``.
 Full recompute (megatron ``uniform``, one layer per checkpoint) keeps only each layer's
 input (h/s) and rebuilds one layer at a time in the backward; selective recompute
 (``core_attn``) keeps only the attention inputs and output.
@@ -82,14 +84,30 @@ class RankPlan:
         return sum(self.terms.values())
 
 
+def layer_params(args: ModelArgs, layer: int, tp: int = 1) -> int:
+    """Parameters of global layer ``layer`` on one of ``tp`` TP ranks. The projections and
+    the experts split over TP (at expert-parallel size 1 the expert-TP group is the TP
+    group); the norms, Qwen3's per-head q/k norms and an MoE layer's router are whole on
+    every rank."""
+    h = args.hidden_size
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    split = h * (q + 2 * kv) + (q + 2 * kv) * args.qkv_bias + q * h
+    whole = 2 * h + 2 * args.head_dim * args.qk_norm
+    if args.is_moe_layer(layer):  # every expert's SwiGLU, and the router's [experts, h]
+        split += args.num_experts * 3 * h * args.moe_ffn_hidden_size
+        whole += args.num_experts * h
+    else:
+        split += 3 * h * args.ffn_hidden_size
+    return split // tp + whole
+
+
 def stage_params(args: ModelArgs, shape: TrainerShape, stage: int) -> int:
     """Parameters on one TP rank of ``stage``."""
     h, t = args.hidden_size, shape.tp
-    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    layer = (h * (q + 2 * kv) + (q + 2 * kv) * args.qkv_bias + q * h + 3 * h * args.ffn_hidden_size) // t + 2 * h
     layers = stage_layer_counts(args.num_layers, shape.pp, shape.first_stage_layers, shape.last_stage_layers)
     vocab = padded_vocab_size(args.vocab_size, t, shape.vocab_divisible_by) * h // t
-    n = layers[stage] * layer
+    first = sum(layers[:stage])
+    n = sum(layer_params(args, i, t) for i in range(first, first + layers[stage]))
     if stage == 0:
         n += vocab
     if stage == shape.pp - 1:
@@ -215,7 +233,6 @@ def server_plan(args: ModelArgs, shape: ServerShape) -> dict:
 
 
 def _total_params(args: ModelArgs) -> int:
-    h, q, kv = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    layer = h * (q + 2 * kv) + (q + 2 * kv) * args.qkv_bias + q * h + 3 * h * args.ffn_hidden_size + 2 * h
-    embed = args.vocab_size * h
-    return args.num_layers * layer + embed * (1 if args.tie_word_embeddings else 2) + h
+    embed = args.vocab_size * args.hidden_size
+    return (sum(layer_params(args, i) for i in range(args.num_layers))
+            + embed * (1 if args.tie_word_embeddings else 2) + args.hidden_size)

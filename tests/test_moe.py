@@ -1,0 +1,199 @@
+"""Qwen3-MoE in the megatron actor at expert-parallel size 1, against transformers.
+
+The tiny random Qwen3-MoE (tests/_tiny_model.py: 8 experts, top-2 renormalised, layer 2 of
+4 dense) is loaded into a real MegatronActor at TP=2 and at PP=2 (2 gloo ranks, one launch
+per layout for the module): its HF checkpoint-file weights (``mlp.experts.{e}.*_proj``) come
+back bitwise, its per-token logprobs on packed sequences equal transformers' on each sequence
+alone (same experts chosen, same renormalised weights), and one PPO batch trains the same at
+TP=2 (experts split over the expert-TP group) as at PP=2 (experts whole). A third launch
+checks the logprobs without norm_topk_prob (megatron's other router branch, pre-softmax).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _actor_setup import VOCAB, ppo_loss, train_fields
+from _actor_setup import seqs as train_seqs
+from _dist import run_gloo
+from _tiny_model import MOE, tiny_model
+
+from areal_mcore.model import adapter
+from areal_mcore.model.args import ModelArgs
+from areal_mcore.packing import pack
+
+ARCH = "qwen3_moe"
+LENGTHS = [100, 7, 37]  # packed into one micro-batch
+
+
+def _seqs():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+
+
+def _hf_logprobs(shape) -> torch.Tensor:
+    """transformers' per-token logprobs of each sequence alone (0 at its first token)."""
+    _, _, hf = tiny_model(ARCH, vocab=VOCAB, **shape)
+    out = []
+    with torch.no_grad():
+        for s in _seqs():
+            lp = torch.zeros(len(s))
+            lp[1:] = hf(s[None]).logits[0, :-1].log_softmax(-1).gather(1, s[1:, None]).squeeze(1)
+            out.append(lp)
+    return torch.cat(out)
+
+
+def _worker(rank, world, tp, pp, shape):
+    from _actor_setup import tiny_actor
+
+    actor = tiny_actor(tp=tp, pp=pp, arch=ARCH, shape=shape)
+    logp = actor.compute_logprobs(pack(_seqs()))
+    loaded = actor.hf_state_dict()  # collective over TP
+    s = train_seqs()
+    actor.train_batch(pack(s, train_fields(s)), ppo_loss, n_minibatches=2)
+    trained = actor.hf_state_dict()
+    return (logp, loaded, trained) if actor.groups.tp_rank == 0 else (logp, {}, {})
+
+
+@pytest.fixture(scope="module")
+def run():
+    """run(tp, pp, norm): each rank's (logprobs, HF weights loaded, HF weights trained)."""
+    cache = {}
+
+    def get(tp, pp, norm=True):
+        if (tp, pp, norm) not in cache:
+            cache[tp, pp, norm] = run_gloo(_worker, 2, tp, pp, _shape(norm))
+        return cache[tp, pp, norm]
+    return get
+
+
+def _shape(norm: bool) -> dict:
+    return {} if norm else {"moe": {"norm_topk_prob": False}}
+
+
+def _merged(results, i):
+    out = {}
+    for r in results:
+        out.update(r[i])
+    return out
+
+
+LAYOUTS = pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+
+
+@pytest.mark.multirank
+@LAYOUTS
+def test_moe_hf_weights_round_trip_through_megatron_bitwise(run, tp, pp):
+    _, state, _ = tiny_model(ARCH, vocab=VOCAB)
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in state and "model.layers.2.mlp.gate_proj.weight" in state
+    back = _merged(run(tp, pp), 1)
+    assert set(back) == set(state)
+    assert not [k for k, v in state.items() if not torch.equal(back[k], v)]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp, pp, norm", [(2, 1, True), (1, 2, True), (2, 1, False)])
+def test_moe_packed_logprobs_equal_transformers_per_sequence(run, tp, pp, norm):
+    """norm: norm_topk_prob, which selects megatron's moe_router_pre_softmax (off / on)."""
+    want = _hf_logprobs(_shape(norm))
+    for logp, _, _ in run(tp, pp, norm):  # every rank gets them
+        assert (logp - want).abs().max() <= 1e-4
+
+
+@pytest.mark.multirank
+def test_moe_train_step_at_tp2_equals_pp2(run):
+    tp2, pp2 = _merged(run(2, 1), 2), _merged(run(1, 2), 2)
+    _, state, _ = tiny_model(ARCH, vocab=VOCAB)
+    assert set(tp2) == set(pp2) == set(state)
+    # Routers and attention always train; an expert no training token picks keeps its weights.
+    assert not [k for k, v in pp2.items() if "experts" not in k and torch.equal(v, state[k])]
+    rel = {k: float((tp2[k] - v).abs().max() / v.abs().max()) for k, v in pp2.items()}
+    worst = max(rel, key=rel.get)
+    assert rel[worst] <= 1e-4, f"{worst}: relative difference {rel[worst]:.2e}"
+
+
+# --------------------------------------------------------------------------- config mapping
+
+
+def _config(**overrides):
+    hf, _, _ = tiny_model(ARCH, vocab=VOCAB)
+    return SimpleNamespace(**{**hf.to_dict(), **overrides})
+
+
+def test_moe_args_read_experts_and_dense_layers_from_the_hf_config():
+    args = ModelArgs.from_hf(_config(decoder_sparse_step=2, mlp_only_layers=[1]))
+    assert (args.num_experts, args.moe_top_k, args.moe_ffn_hidden_size, args.norm_topk_prob) == (
+        MOE["num_experts"], MOE["num_experts_per_tok"], MOE["moe_intermediate_size"], True)
+    # transformers' rule: sparse iff not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    assert args.dense_layers == (0, 1, 2) and args.moe_layer_pattern() == [0, 0, 0, 1]
+    assert ModelArgs(**{**vars(args), "dense_layers": [0, 1, 2]}) == args  # a JSON manifest's list
+
+
+def test_moe_adapter_names_every_checkpoint_weight_once():
+    _, state, _ = tiny_model(ARCH, vocab=VOCAB)
+    names = adapter.hf_names(ModelArgs.from_hf(_config()))
+    assert len(names) == len(set(names)) and set(names) == set(state)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size=64 is not supported"),
+    ({"num_experts_per_tok": 1}, "num_experts_per_tok=1 with norm_topk_prob=true is not supported"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 is not supported"),
+    ({"mlp_only_layers": [4]}, "mlp_only_layers=[4] is not supported"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step=0 is not supported"),
+    ({"num_experts": 0}, "num_experts=0 is not supported"),
+])
+def test_moe_args_refuse_an_unmappable_config_naming_the_key(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ModelArgs.from_hf(_config(**overrides))
+
+
+def test_moe_transformer_config_matches_hf_routing():
+    from areal_mcore.model.hf_config import transformer_config
+
+    for norm in (True, False):
+        args = ModelArgs.from_hf(_config(norm_topk_prob=norm))
+        c = transformer_config(args, tp_size=1, pp_size=1, params_dtype=torch.float32)
+        assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size) == (8, 2, 32)
+        # softmax over the top-k logits == the renormalised top-k of the full softmax
+        assert c.moe_router_pre_softmax is (not norm) and c.moe_router_score_function == "softmax"
+        assert c.moe_layer_freq == [1, 1, 0, 1] and c.moe_aux_loss_coeff == 0.0
+    odd = ModelArgs.from_hf(_config(moe_intermediate_size=33))
+    with pytest.raises(ValueError, match="moe_intermediate_size=33 must be divisible by tp=2"):
+        transformer_config(odd, tp_size=2, pp_size=1, params_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_moe_weight_sync_plan_sends_every_expert_in_checkpoint_names_and_shapes(pp_rank):
+    """The weight syncer's buckets come from the adapter's entries (weight_sync/buckets.py),
+    so a TP=2, PP=2 plan covers this stage's experts, routers and dense MLP at HF shapes."""
+    from areal_mcore.weight_sync.buckets import make_plan
+
+    _, state, _ = tiny_model(ARCH, vocab=VOCAB)
+    args = ModelArgs.from_hf(_config())
+    shard = adapter.from_hf(state, args, tp_rank=0, tp_size=2, pp_rank=pp_rank, pp_size=2, padded_vocab=256)
+    plan = make_plan({n: t.shape for n, t in shard.items()}, args, tp_size=2, pp_rank=pp_rank, pp_size=2,
+                     dtype="float32", bucket_bytes=1 << 16)
+    sent = {hf: shape for bucket in plan.buckets for unit in bucket for hf, shape in unit.hf}
+    layers = range(2 * pp_rank, 2 * pp_rank + 2)
+    want = {k: tuple(v.shape) for k, v in state.items()
+            if any(k.startswith(f"model.layers.{i}.") for i in layers)
+            or (pp_rank == 0 and k == "model.embed_tokens.weight")
+            or (pp_rank == 1 and k in ("model.norm.weight", "lm_head.weight"))}
+    assert sent == want
+
+
+def test_moe_args_read_transformers_5_and_released_config_json_alike(tmp_path):
+    """transformers 5 writes ``num_local_experts`` (Qwen3MoeConfig.attribute_map); the
+    released Qwen3-MoE config.json files say ``num_experts``."""
+    import json
+
+    from areal_mcore.model.args import folder_args
+
+    hf, _, _ = tiny_model(ARCH, vocab=VOCAB)
+    hf.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert "num_local_experts" in written and "num_experts" not in written
+    released = {("num_experts" if k == "num_local_experts" else k): v for k, v in written.items()}
+    assert folder_args(tmp_path) == ModelArgs.from_hf(SimpleNamespace(**released)) == ModelArgs.from_hf(hf)
+    assert folder_args(tmp_path).num_experts == MOE["num_experts"]
