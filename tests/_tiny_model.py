@@ -83,3 +83,23 @@ def tiny_qwen2(seed: int = 0, **shape):
 # head_dim 32: served by vLLM's CPU attention (16 and 24 are refused: "Unsupported CPU
 # attention configuration")
 VLLM_SHAPE = {"hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 192, "head_dim": 32}
+
+
+EVAL_LENGTHS = [100, 7, 37]  # packed into one micro-batch; 100 tokens let llama3's RoPE scaling show
+
+
+def eval_seqs(vocab: int) -> list[torch.Tensor]:
+    """The seeded sequences the model tests score, packed and alone."""
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in EVAL_LENGTHS]
+
+
+def hf_seq_logprobs(model, seqs: list[torch.Tensor]) -> torch.Tensor:
+    """transformers' per-token logprobs of each sequence alone (0 at its first token), concatenated."""
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            lp = torch.zeros(len(s))
+            lp[1:] = model(s[None]).logits[0, :-1].log_softmax(-1).gather(1, s[1:, None]).squeeze(1)
+            out.append(lp)
+    return torch.cat(out)

@@ -14,29 +14,17 @@ import torch
 from _actor_setup import VOCAB, ppo_loss, train_fields
 from _actor_setup import seqs as train_seqs
 from _dist import run_gloo
-from _tiny_model import tiny_model
+from _tiny_model import eval_seqs, hf_seq_logprobs, tiny_model
 
 from areal_mcore.packing import pack
 
-LENGTHS = [100, 7, 37]  # packed into one micro-batch
 SHAPE = {"qk_gain": 8.0}
-
-
-def _seqs():
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
 
 
 def _hf_logprobs(arch: str) -> torch.Tensor:
     """transformers' per-token logprobs of each sequence alone (0 at its first token)."""
     _, _, hf = tiny_model(arch, vocab=VOCAB, **SHAPE)
-    out = []
-    with torch.no_grad():
-        for s in _seqs():
-            lp = torch.zeros(len(s))
-            lp[1:] = hf(s[None]).logits[0, :-1].log_softmax(-1).gather(1, s[1:, None]).squeeze(1)
-            out.append(lp)
-    return torch.cat(out)
+    return hf_seq_logprobs(hf, eval_seqs(VOCAB))
 
 
 def _worker(rank, world, arch, tp, pp, ckpt_root):
@@ -46,7 +34,7 @@ def _worker(rank, world, arch, tp, pp, ckpt_root):
     from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
 
     actor = tiny_actor(tp=tp, pp=pp, arch=arch, shape=SHAPE)
-    logp = actor.compute_logprobs(pack(_seqs()))
+    logp = actor.compute_logprobs(pack(eval_seqs(VOCAB)))
     loaded = actor.hf_state_dict()  # collective over TP
     s = train_seqs()
     batch = pack(s, train_fields(s))

@@ -16,38 +16,26 @@ import torch
 from _actor_setup import VOCAB, ppo_loss, train_fields
 from _actor_setup import seqs as train_seqs
 from _dist import run_gloo
-from _tiny_model import MOE, tiny_model
+from _tiny_model import MOE, eval_seqs, hf_seq_logprobs, tiny_model
 
 from areal_mcore.model import adapter
 from areal_mcore.model.args import ModelArgs
 from areal_mcore.packing import pack
 
 ARCH = "qwen3_moe"
-LENGTHS = [100, 7, 37]  # packed into one micro-batch
-
-
-def _seqs():
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
 
 
 def _hf_logprobs(shape) -> torch.Tensor:
     """transformers' per-token logprobs of each sequence alone (0 at its first token)."""
     _, _, hf = tiny_model(ARCH, vocab=VOCAB, **shape)
-    out = []
-    with torch.no_grad():
-        for s in _seqs():
-            lp = torch.zeros(len(s))
-            lp[1:] = hf(s[None]).logits[0, :-1].log_softmax(-1).gather(1, s[1:, None]).squeeze(1)
-            out.append(lp)
-    return torch.cat(out)
+    return hf_seq_logprobs(hf, eval_seqs(VOCAB))
 
 
 def _worker(rank, world, tp, pp, shape):
     from _actor_setup import tiny_actor
 
     actor = tiny_actor(tp=tp, pp=pp, arch=ARCH, shape=shape)
-    logp = actor.compute_logprobs(pack(_seqs()))
+    logp = actor.compute_logprobs(pack(eval_seqs(VOCAB)))
     loaded = actor.hf_state_dict()  # collective over TP
     s = train_seqs()
     actor.train_batch(pack(s, train_fields(s)), ppo_loss, n_minibatches=2)
