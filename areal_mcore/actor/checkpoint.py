@@ -28,6 +28,7 @@ import json
 import multiprocessing.managers
 import os
 import random
+import re
 import shutil
 import sys
 import threading
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from torch.distributed.checkpoint.api import CheckpointException
 
 from areal_mcore import collectives
 from areal_mcore.actor.megatron_actor import MegatronActor
@@ -129,7 +131,12 @@ class Checkpointer:
         disk must not leave the others at a barrier) and the temporary folder goes."""
         try:
             result, error = write(), None
-        except Exception as e:  # noqa: BLE001 - every rank learns of it below
+        # torch's CheckpointException, what megatron's sharded save raises when its writer
+        # process failed (filesystem_async.py, retrieve_write_results -> state_dict_saver.py,
+        # save_state_dict_async_finalize), derives from BaseException, not Exception
+        # (torch/distributed/checkpoint/api.py): uncaught here, this rank left the others
+        # waiting at the gather below and the run's error never named the checkpoint.
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank learns of it below
             result, error = None, e
         errors = [e for e in collectives.all_gather_object(error and f"{type(error).__name__}: {error}",
                                                              self.group) if e]
@@ -139,8 +146,9 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         why = (f"checkpoint of step {step} failed writing {tmp} (removed; {self.root / LATEST} still "
                f"names the previous checkpoint): {errors[0]}")
-        if isinstance(error, OSError):  # ENOSPC, EACCES, EIO stay what they are
-            raise OSError(error.errno, why, str(tmp)) from error
+        code = _errno(error)
+        if code is not None:  # ENOSPC, EACCES, EIO stay OS errors, as the writer had them
+            raise OSError(code, why, str(tmp)) from error
         raise RuntimeError(why) from error
 
     def _write(self, actor: MegatronActor, tmp: Path, *, step: int, weight_version: int,
@@ -291,6 +299,15 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _errno(error: BaseException | None) -> int | None:
+    """The OS error number of ``error``: its own, or the one megatron's writer process
+    reported only as text ("Worker failure: [Errno 28] No space left on device")."""
+    if isinstance(error, OSError):
+        return error.errno
+    found = re.search(r"\[Errno (\d+)\]", str(error)) if isinstance(error, CheckpointException) else None
+    return int(found.group(1)) if found else None
 
 
 def _writer_manager_dies_with_us() -> None:
