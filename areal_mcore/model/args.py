@@ -268,3 +268,17 @@ def check_model_folder(key: str, folder: str) -> None:
         folder_args(folder)
     except ValueError as e:
         raise ValueError(f"{key}={folder}: config.json: {e}") from None
+
+
+def check_expert_parallel(args: ModelArgs, ep_size: int) -> None:
+    """Raises naming ``actor.parallel.ep`` when the model cannot be split over ``ep_size``.
+
+    megatron's MoELayer builds ``num_moe_experts // ep`` local experts per rank
+    (transformer/moe/moe_layer.py, MoELayer.__init__) and asserts nothing about the
+    remainder there, so an uneven split is refused here."""
+    if ep_size < 1:
+        raise ValueError(f"actor.parallel.ep={ep_size} must be >= 1")
+    if ep_size > 1 and not args.num_experts:
+        raise ValueError(f"actor.parallel.ep={ep_size}: {args.model_type} is a dense model (no experts); set ep=1")
+    if ep_size > 1 and args.num_experts % ep_size:
+        raise ValueError(f"actor.parallel.ep={ep_size} must divide the model's num_experts={args.num_experts}")
