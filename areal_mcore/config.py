@@ -140,7 +140,14 @@ class ExperimentConfig(InferenceConfig):
             derived = "megatron:d1" if launch.stage == "sft" else f"{backend}:d1+megatron:d1"
             self.launch = dataclasses.replace(launch, allocation=derived)
             return
-        rollout = parse_allocation(launch.allocation).rollout
+        alloc = parse_allocation(launch.allocation)
+        ep = self.actor.parallel.ep
+        if alloc.trainer.d % ep:
+            # megatron carves the EP group out of the data-parallel ranks (expert-TP = TP:
+            # actor/parallel.py), so EP must divide DP.
+            raise ValueError(f"actor.parallel.ep={ep} must divide the trainer's data-parallel size "
+                             f"d{alloc.trainer.d} of launch.allocation={launch.allocation!r}")
+        rollout = alloc.rollout
         if rollout is not None and server is not None and rollout.backend != server.backend:
             raise ValueError(
                 f"launch.allocation={launch.allocation!r} places {rollout.backend!r} servers, but "

@@ -301,5 +301,23 @@ def test_moe_expert_parallel_with_the_distributed_weight_sync_is_refused_at_conf
     boba = Path(__file__).parents[1] / "configs" / "boba_7b.yaml"
     with pytest.raises(Exception, match=r"actor.parallel.ep=2 needs weight_sync.mode=disk"):
         load_config(boba, ["actor.parallel.ep=2"])
-    cfg = load_config(boba, ["actor.parallel.ep=2", "weight_sync.mode=disk", "weight_sync.disk_dir=/tmp/x"])
-    assert cfg.actor.parallel.ep == 2
+    disk = ["actor.parallel.ep=2", "weight_sync.mode=disk", "weight_sync.disk_dir=/tmp/x"]
+    assert load_config(boba, disk).actor.parallel.ep == 2
+    # EP is carved out of the data-parallel ranks: it must divide the allocation's d
+    with pytest.raises(Exception, match=r"actor.parallel.ep=2 must divide the trainer's data-parallel size d3"):
+        load_config(boba, [*disk, "launch.allocation=sglang:d16+megatron:d3t2"])
+
+
+def test_moe_expert_parallel_size_is_checked_against_the_model_folder_before_a_run(tmp_path):
+    """cli train / the Slurm launcher check model_path's config.json before any rank starts."""
+    from areal_mcore.model.args import check_model_folder
+
+    hf, _, _ = tiny_model(ARCH, vocab=VOCAB)
+    hf.save_pretrained(tmp_path / "moe")
+    check_model_folder("model_path", str(tmp_path / "moe"), 2)
+    with pytest.raises(ValueError, match=r"actor.parallel.ep=16 must divide the model's num_experts=8"):
+        check_model_folder("model_path", str(tmp_path / "moe"), 16)
+    dense, _, _ = tiny_model("qwen3", vocab=VOCAB)
+    dense.save_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match=r"actor.parallel.ep=2: qwen3 is a dense model"):
+        check_model_folder("model_path", str(tmp_path / "dense"), 2)

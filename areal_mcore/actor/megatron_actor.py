@@ -179,7 +179,9 @@ class MegatronActor:
         expert weight brings rank r's copy of it, which is global expert ``r * n + local``;
         ``shards`` (already gathered over expert-TP = TP) are gathered, TP slice by slice."""
         g = self.groups
-        names = sorted(n for n in shards[0] if ".local_experts." in n)
+        names = [name for p, name, _ in adapter.stage_entries(self.args, g.pp_rank, g.pp_size, tied_copy=False,
+                                                              ep_rank=g.ep_rank, ep_size=g.ep_size)
+                 if p.per_expert]
         by_ep = [[dict() for _ in range(g.tp_size)] for _ in range(g.ep_size)]
         for name in names:
             for t in range(g.tp_size):

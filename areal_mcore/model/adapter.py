@@ -215,7 +215,9 @@ def stage_entries(args: ModelArgs, pp_rank: int, pp_size: int, *, tied_copy: boo
     Experts: expert-parallel rank ``ep_rank`` of ``ep_size`` holds ``num_experts / ep_size``
     of them, named ``local_experts.{0..n-1}`` in megatron and by their global index
     ``ep_rank * n + local`` in HF, as megatron numbers them (transformer/moe/moe_layer.py,
-    MoELayer.__init__: ``local_expert_indices``). ``tied_copy=False`` leaves out the last stage's copy of a tied embedding (it is a
+    MoELayer.__init__: ``local_expert_indices``).
+
+    ``tied_copy=False`` leaves out the last stage's copy of a tied embedding (it is a
     module parameter but neither HF nor a checkpoint stores it separately).
     """
     first, last = pp_rank == 0, pp_rank == pp_size - 1
