@@ -281,9 +281,9 @@ def run_train(a) -> int:
         return 2
     check_run_paths(cfg, a.command)  # and wrong paths, before any rank or server starts
     if a.command == "sft":
-        check_model_folder("sft.base_model", cfg.sft.base_model)  # and a model the actor refuses
+        check_model_folder("sft.base_model", cfg.sft.base_model, cfg.actor.parallel.ep)  # and a model the actor refuses
     else:
-        check_model_folder("model_path", cfg.model_path)
+        check_model_folder("model_path", cfg.model_path, cfg.actor.parallel.ep)
     _init_distributed()
     if a.command == "sft":
         from areal_mcore.trainer.sft import run_sft

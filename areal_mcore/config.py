@@ -103,6 +103,12 @@ class ExperimentConfig(InferenceConfig):
         if self.trainer is not None and self.rollout is not None and self.rollout.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.rollout.temperature} must be > 0 for training: "
                              "the actor scores tokens at the sampling temperature")
+        if self.actor.parallel.ep > 1 and self.trainer is not None and self.weight_sync.mode == "distributed":
+            # Each EP rank of replica 0 holds some experts, but the distributed sync gathers
+            # only over TP inside replica 0 (weight_sync/distributed.py, distributed_roles);
+            # the disk export gathers every expert (MegatronActor.hf_state_dict).
+            raise ValueError(f"actor.parallel.ep={self.actor.parallel.ep} needs weight_sync.mode=disk: the "
+                             "distributed weight sync does not gather experts over expert parallelism yet")
         self._check_reward_groups()
         self._resolve_loss_norm_tokens()
         self._check_overlong_penalty()
@@ -134,7 +140,14 @@ class ExperimentConfig(InferenceConfig):
             derived = "megatron:d1" if launch.stage == "sft" else f"{backend}:d1+megatron:d1"
             self.launch = dataclasses.replace(launch, allocation=derived)
             return
-        rollout = parse_allocation(launch.allocation).rollout
+        alloc = parse_allocation(launch.allocation)
+        ep = self.actor.parallel.ep
+        if alloc.trainer.d % ep:
+            # megatron carves the EP group out of the data-parallel ranks (expert-TP = TP:
+            # actor/parallel.py), so EP must divide DP.
+            raise ValueError(f"actor.parallel.ep={ep} must divide the trainer's data-parallel size "
+                             f"d{alloc.trainer.d} of launch.allocation={launch.allocation!r}")
+        rollout = alloc.rollout
         if rollout is not None and server is not None and rollout.backend != server.backend:
             raise ValueError(
                 f"launch.allocation={launch.allocation!r} places {rollout.backend!r} servers, but "

@@ -34,8 +34,8 @@ def _checkpointer(root):
     return Checkpointer(CheckpointConfig(root=root, keep_last=2), dist.group.WORLD)
 
 
-def _train_worker(rank, world, root, resume, save_at, tp=1, arch="qwen2"):
-    actor = _actor(cap=16, tp=tp, arch=arch)
+def _train_worker(rank, world, root, resume, save_at, tp=1, arch="qwen2", ep=1):
+    actor = _actor(cap=16, tp=tp, arch=arch, ep=ep)
     ckpt = _checkpointer(root)
     start = ckpt.load(actor).extra["data_position"] if resume else 0
     g, losses = actor.groups, []
@@ -69,6 +69,20 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(uninterrupted, tmp_
 def test_resume_of_a_tp2_qwen3_moe_actor_is_bitwise_identical(tmp_path):
     """Experts split over TP, routers replicated, the optimizer's expert state: all resume."""
     moe = (2, "qwen3_moe")
+    losses, ref_weights = run_gloo(_train_worker, 2, str(tmp_path / "full"), False, None, *moe)[0]
+    first, _ = run_gloo(_train_worker, 2, str(tmp_path / "cut"), False, SAVE_AT, *moe)[0]
+    rest, weights = run_gloo(_train_worker, 2, str(tmp_path / "cut"), True, None, *moe)[0]
+    assert first + rest == losses
+    assert set(weights) == set(ref_weights) and "model.layers.3.mlp.experts.7.up_proj.weight" in weights
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_resume_of_an_ep2_qwen3_moe_actor_is_bitwise_identical(tmp_path):
+    """EP=2 (DP=2): each rank saves its 4 experts and their optimizer state (megatron's
+    expert-parallel sharded keys and expert-DP optimizer buffers), and resumes them."""
+    moe = (1, "qwen3_moe", 2)
     losses, ref_weights = run_gloo(_train_worker, 2, str(tmp_path / "full"), False, None, *moe)[0]
     first, _ = run_gloo(_train_worker, 2, str(tmp_path / "cut"), False, SAVE_AT, *moe)[0]
     rest, weights = run_gloo(_train_worker, 2, str(tmp_path / "cut"), True, None, *moe)[0]
@@ -185,7 +199,7 @@ def _fake_actor(tp=1, pp=1, **args_overrides):
                      rope_theta=1e4, qkv_bias=True, tie_word_embeddings=False,
                      max_position_embeddings=256)
     return SimpleNamespace(args=dataclasses.replace(args, **args_overrides),
-                           groups=SimpleNamespace(tp_size=tp, pp_size=pp))
+                           groups=SimpleNamespace(tp_size=tp, pp_size=pp, ep_size=1))
 
 
 def _manifest(actor, tp=1, pp=1):
@@ -200,6 +214,17 @@ def test_other_tp_pp_layout_is_rejected_with_the_fix():
 
     with pytest.raises(ValueError, match=r"tp=2, pp=1; this run has tp=1, pp=2.*tools/convert_ckpt"):
         _check_compatible(_manifest(_fake_actor(), tp=2, pp=1), _fake_actor(pp=2), Path("ck"))
+
+
+def test_another_expert_parallel_size_is_rejected_naming_the_key():
+    from areal_mcore.actor.checkpoint import _check_compatible
+
+    manifest = _manifest(_fake_actor())
+    manifest["layout"]["ep"] = 2
+    with pytest.raises(ValueError, match=r"saved with ep=2; this run has actor.parallel.ep=1"):
+        _check_compatible(manifest, _fake_actor(), Path("ck"))
+    del manifest["layout"]["ep"]  # a checkpoint from before expert parallelism
+    _check_compatible(manifest, _fake_actor(), Path("ck"))
 
 
 def test_model_mismatch_lists_every_differing_field():

@@ -1,4 +1,4 @@
-"""Qwen3-MoE in the megatron actor at expert-parallel size 1, against transformers.
+"""Qwen3-MoE in the megatron actor, against transformers.
 
 The tiny random Qwen3-MoE (tests/_tiny_model.py: 8 experts, top-2 renormalised, layer 2 of
 4 dense) is loaded into a real MegatronActor at TP=2 and at PP=2 (2 gloo ranks, one launch
@@ -6,7 +6,8 @@ per layout for the module): its HF checkpoint-file weights (``mlp.experts.{e}.*_
 back bitwise, its per-token logprobs on packed sequences equal transformers' on each sequence
 alone (same experts chosen, same renormalised weights), and one PPO batch trains the same at
 TP=2 (experts split over the expert-TP group) as at PP=2 (experts whole). A third launch
-checks the logprobs without norm_topk_prob (megatron's other router branch, pre-softmax).
+checks the logprobs without norm_topk_prob (megatron's other router branch, pre-softmax),
+a fourth the same at expert-parallel size 2 (each rank holding 4 of the 8 experts).
 """
 
 from types import SimpleNamespace
@@ -31,27 +32,29 @@ def _hf_logprobs(shape) -> torch.Tensor:
     return hf_seq_logprobs(hf, eval_seqs(VOCAB))
 
 
-def _worker(rank, world, tp, pp, shape):
+def _worker(rank, world, tp, pp, shape, ep=1):
     from _actor_setup import tiny_actor
 
-    actor = tiny_actor(tp=tp, pp=pp, arch=ARCH, shape=shape)
+    actor = tiny_actor(tp=tp, pp=pp, arch=ARCH, shape=shape, ep=ep)
     logp = actor.compute_logprobs(pack(eval_seqs(VOCAB)))
-    loaded = actor.hf_state_dict()  # collective over TP
+    loaded = actor.hf_state_dict()  # collective over TP (and EP)
     s = train_seqs()
     actor.train_batch(pack(s, train_fields(s)), ppo_loss, n_minibatches=2)
     trained = actor.hf_state_dict()
+    if ep > 1:  # the experts this rank built: num_experts / ep of them
+        loaded["local_experts"] = sum(".local_experts." in n for n in adapter.module_weights(actor.model.module))
     return (logp, loaded, trained) if actor.groups.tp_rank == 0 else (logp, {}, {})
 
 
 @pytest.fixture(scope="module")
 def run():
-    """run(tp, pp, norm): each rank's (logprobs, HF weights loaded, HF weights trained)."""
+    """run(tp, pp, norm, ep): each rank's (logprobs, HF weights loaded, HF weights trained)."""
     cache = {}
 
-    def get(tp, pp, norm=True):
-        if (tp, pp, norm) not in cache:
-            cache[tp, pp, norm] = run_gloo(_worker, 2, tp, pp, _shape(norm))
-        return cache[tp, pp, norm]
+    def get(tp, pp, norm=True, ep=1):
+        if (tp, pp, norm, ep) not in cache:
+            cache[tp, pp, norm, ep] = run_gloo(_worker, 2, tp, pp, _shape(norm), ep)
+        return cache[tp, pp, norm, ep]
     return get
 
 
@@ -86,6 +89,45 @@ def test_moe_packed_logprobs_equal_transformers_per_sequence(run, tp, pp, norm):
     want = _hf_logprobs(_shape(norm))
     for logp, _, _ in run(tp, pp, norm):  # every rank gets them
         assert (logp - want).abs().max() <= 1e-4
+
+
+# --------------------------------------------------------------------------- expert parallelism
+# EP=2 on 2 ranks: TP=1, DP=2, each rank holds 4 of the 8 experts and the alltoall dispatcher
+# sends tokens between the two data-parallel ranks. TP=2 x EP=2 needs 4 ranks here: the
+# expert grid is expert-TP (= TP) x EP x PP (actor/parallel.py), which must divide the world.
+
+
+@pytest.mark.multirank
+def test_moe_at_ep2_round_trips_hf_weights_bitwise_and_matches_transformers(run):
+    """Each rank builds its own 4 experts from HF (global index ep_rank * 4 + local), and
+    hf_state_dict gathers all 8 back bitwise on every rank; logprobs equal transformers'."""
+    _, state, _ = tiny_model(ARCH, vocab=VOCAB)
+    want = _hf_logprobs(_shape(True))
+    for logp, loaded, trained in run(1, 1, ep=2):
+        assert loaded["local_experts"] == 3 * 4 * 2  # 3 MoE layers x 4 experts x (fc1, fc2)
+        back = {k: v for k, v in loaded.items() if k != "local_experts"}
+        assert set(back) == set(state) == set(trained)
+        assert not [k for k, v in state.items() if not torch.equal(back[k], v)]
+        assert (logp - want).abs().max() <= 1e-4
+
+
+@pytest.mark.multirank
+def test_moe_train_step_at_ep2_equals_tp2(run):
+    """One PPO batch at EP=2 (DP=2: the experts split over the two data-parallel ranks,
+    tokens exchanged by the alltoall dispatcher) trains the same weights as at TP=2 (DP=1:
+    every expert on both ranks, split over TP); both EP ranks export the same weights."""
+    (_, _, ep2), (_, _, ep2_other) = run(1, 1, ep=2)
+    assert not [k for k, v in ep2.items() if not torch.equal(v, ep2_other[k])]
+    tp2 = _merged(run(2, 1), 2)
+    _, state, _ = tiny_model(ARCH, vocab=VOCAB)
+    assert set(ep2) == set(tp2) == set(state)
+    assert not [k for k, v in ep2.items() if "experts" not in k and torch.equal(v, state[k])]
+    # experts on the other EP rank train too (the dispatcher sent them tokens)
+    assert [k for k, v in ep2.items() if ".experts.7." in k and not torch.equal(v, state[k])]
+    rel = {k: float((ep2[k] - v).abs().max() / v.abs().max()) for k, v in tp2.items()}
+    worst = max(rel, key=rel.get)
+    print(f"EP2 vs TP2: worst {worst} {rel[worst]:.2e}")
+    assert rel[worst] <= 1e-4, f"{worst}: relative difference {rel[worst]:.2e}"
 
 
 @pytest.mark.multirank
@@ -171,6 +213,30 @@ def test_moe_weight_sync_plan_sends_every_expert_in_checkpoint_names_and_shapes(
     assert sent == want
 
 
+@pytest.mark.parametrize("ep_rank", [0, 1])
+def test_moe_weight_sync_plan_at_ep2_names_every_expert_once(ep_rank):
+    """At EP=2 a rank holds 4 local experts per MoE layer; its plan (same on both EP ranks)
+    has one unit per (local expert weight, EP rank) under the global HF names: every
+    expert of the stage once, at TP=2 x PP=2 x EP=2."""
+    from areal_mcore.weight_sync.buckets import make_plan
+
+    _, state, _ = tiny_model(ARCH, vocab=VOCAB)
+    args = ModelArgs.from_hf(_config())
+    plans = []
+    for pp_rank in (0, 1):
+        shard = adapter.from_hf(state, args, tp_rank=0, tp_size=2, pp_rank=pp_rank, pp_size=2, padded_vocab=256,
+                                ep_rank=ep_rank, ep_size=2)
+        assert sum(".local_experts." in n for n in shard) == 4 * 2 * (2 if pp_rank == 0 else 1)  # MoE layers 0, 1 | 3
+        plans.append(make_plan({n: t.shape for n, t in shard.items()}, args, tp_size=2, pp_rank=pp_rank,
+                               pp_size=2, dtype="float32", bucket_bytes=1 << 16, ep_size=2))
+    sent = [(hf, shape) for plan in plans for bucket in plan.buckets for unit in bucket for hf, shape in unit.hf]
+    assert len(sent) == len(set(sent)) == len(state)
+    assert dict(sent) == {k: tuple(v.shape) for k, v in state.items()}
+    units = [u for plan in plans for b in plan.buckets for u in b if u.ep_rank is not None]
+    assert {u.mcore.split("local_experts.")[1].split(".")[0] for u in units} == {"0", "1", "2", "3"}
+    assert all(f"experts.{4 * u.ep_rank + int(u.mcore.split('local_experts.')[1][0])}." in u.hf[0][0] for u in units)
+
+
 def test_moe_args_read_transformers_5_and_released_config_json_alike(tmp_path):
     """transformers 5 writes ``num_local_experts`` (Qwen3MoeConfig.attribute_map); the
     released Qwen3-MoE config.json files say ``num_experts``."""
@@ -185,3 +251,62 @@ def test_moe_args_read_transformers_5_and_released_config_json_alike(tmp_path):
     released = {("num_experts" if k == "num_local_experts" else k): v for k, v in written.items()}
     assert folder_args(tmp_path) == ModelArgs.from_hf(SimpleNamespace(**released)) == ModelArgs.from_hf(hf)
     assert folder_args(tmp_path).num_experts == MOE["num_experts"]
+
+
+def _init_at_ep2_in_a_world_of_one(rank, world):
+    from areal_mcore.actor.config import ParallelConfig
+    from areal_mcore.actor.parallel import init_parallel
+
+    with pytest.raises(ValueError, match=r"actor.parallel.ep=2: world size 1 is not divisible by tp=1 x ep=2"):
+        init_parallel(ParallelConfig(ep=2), seed=1)
+    return True
+
+
+def test_moe_expert_parallel_size_is_refused_naming_the_key_when_it_cannot_split():
+    from areal_mcore.actor.config import ParallelConfig
+    from areal_mcore.checks import FieldError
+    from areal_mcore.model.args import check_expert_parallel
+
+    with pytest.raises(FieldError, match="ep"):
+        ParallelConfig(ep=0)
+    moe = ModelArgs.from_hf(_config())
+    check_expert_parallel(moe, 8)  # one expert per rank
+    with pytest.raises(ValueError, match=r"actor.parallel.ep=3 must divide the model's num_experts=8"):
+        check_expert_parallel(moe, 3)
+    dense, _, _ = tiny_model("qwen3", vocab=VOCAB)
+    with pytest.raises(ValueError, match=r"actor.parallel.ep=2: qwen3 is a dense model"):
+        check_expert_parallel(ModelArgs.from_hf(dense), 2)
+    # megatron's expert grid (expert-TP x EP x PP) must divide the world (init_parallel)
+    assert run_gloo(_init_at_ep2_in_a_world_of_one, 1) == [True]
+
+
+def test_moe_expert_parallel_with_the_distributed_weight_sync_is_refused_at_config_load():
+    """The distributed sync gathers over TP in replica 0 only; the disk export gathers every
+    expert over EP (MegatronActor.hf_state_dict)."""
+    from pathlib import Path
+
+    from areal_mcore.config import load_config
+
+    boba = Path(__file__).parents[1] / "configs" / "boba_7b.yaml"
+    with pytest.raises(Exception, match=r"actor.parallel.ep=2 needs weight_sync.mode=disk"):
+        load_config(boba, ["actor.parallel.ep=2"])
+    disk = ["actor.parallel.ep=2", "weight_sync.mode=disk", "weight_sync.disk_dir=/tmp/x"]
+    assert load_config(boba, disk).actor.parallel.ep == 2
+    # EP is carved out of the data-parallel ranks: it must divide the allocation's d
+    with pytest.raises(Exception, match=r"actor.parallel.ep=2 must divide the trainer's data-parallel size d3"):
+        load_config(boba, [*disk, "launch.allocation=sglang:d16+megatron:d3t2"])
+
+
+def test_moe_expert_parallel_size_is_checked_against_the_model_folder_before_a_run(tmp_path):
+    """cli train / the Slurm launcher check model_path's config.json before any rank starts."""
+    from areal_mcore.model.args import check_model_folder
+
+    hf, _, _ = tiny_model(ARCH, vocab=VOCAB)
+    hf.save_pretrained(tmp_path / "moe")
+    check_model_folder("model_path", str(tmp_path / "moe"), 2)
+    with pytest.raises(ValueError, match=r"actor.parallel.ep=16 must divide the model's num_experts=8"):
+        check_model_folder("model_path", str(tmp_path / "moe"), 16)
+    dense, _, _ = tiny_model("qwen3", vocab=VOCAB)
+    dense.save_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match=r"actor.parallel.ep=2: qwen3 is a dense model"):
+        check_model_folder("model_path", str(tmp_path / "dense"), 2)

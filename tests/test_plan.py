@@ -193,3 +193,23 @@ def test_stage_params_count_experts_routers_and_dense_layers_of_qwen3_moe_like_t
         if not extra:
             assert total == 30_532_122_624  # "30.5B" on the model card
         assert sum(stage_params(args, TrainerShape(pp=pp), s) for s in range(pp)) == total
+
+
+def test_trainer_plan_splits_experts_over_ep_and_their_optimizer_state_over_expert_dp():
+    """EP=2 halves a rank's expert weights and grads; the distributed optimizer shards the
+    experts over the expert-DP group (dp / ep ranks), so their fp32 state per rank stays."""
+    from transformers import Qwen3MoeConfig
+
+    from areal_mcore.model.args import ModelArgs
+    from areal_mcore.plan.memory import trainer_rank
+
+    args = ModelArgs.from_hf(Qwen3MoeConfig(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960))
+    experts = 48 * 128 * 3 * 2048 * 768
+    one, two = (stage_params(args, TrainerShape(dp=4, ep=ep), 0) for ep in (1, 2))
+    assert one - two == experts // 2
+    p1, p2 = (trainer_rank(args, TrainerShape(dp=4, ep=ep, dtype_bytes=2), 0).terms for ep in (1, 2))
+    assert p1["weights"] - p2["weights"] == experts // 2 * 2 and p1["grads"] - p2["grads"] == experts // 2 * 4
+    assert p1["optimizer"] == p2["optimizer"] and p1["main_params"] == p2["main_params"]

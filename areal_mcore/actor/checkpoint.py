@@ -165,7 +165,7 @@ class Checkpointer:
                        tmp / "trainer_state.pt")
             manifest = {
                 "format": FORMAT, "step": step, "weight_version": weight_version,
-                "layout": {"tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size,
+                "layout": {"tp": g.tp_size, "pp": g.pp_size, "ep": g.ep_size, "dp": g.dp_size,
                            "world": dist.get_world_size(self.group)},
                 "versions": {"torch": torch.__version__,
                              "megatron_core": mcore_compat.MCORE_VERSION_STR},
@@ -252,6 +252,11 @@ def _check_compatible(manifest: dict, actor: MegatronActor, path: Path) -> None:
             f"actor.parallel.tp/pp to match, or export to HF and import at the new layout "
             f"(tools/convert_ckpt). Another data-parallel size is fine."
         )
+    if saved.get("ep", 1) != g.ep_size:  # checkpoints from before EP: 1
+        # Not tried: whether the DP-reshardable optimizer state (one distributed-optimizer
+        # buffer per expert-DP group) reshards to another EP is not tested here.
+        raise ValueError(f"{path} was saved with ep={saved.get('ep', 1)}; this run has "
+                         f"actor.parallel.ep={g.ep_size}: set it to match, or export to HF and import")
     saved_mcore = manifest.get("versions", {}).get("megatron_core")
     refusal = saved_mcore and mcore_compat.resume_refusal(saved_mcore)
     if refusal:

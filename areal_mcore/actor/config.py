@@ -68,6 +68,12 @@ class ParallelConfig:
 
     tp: int = 1
     pp: int = 1
+    # Expert parallelism (MoE models): each rank of an expert-parallel group holds
+    # num_experts / ep whole experts and tokens travel to them (megatron's alltoall token
+    # dispatcher). The EP group is carved out of the data-parallel ranks: experts are
+    # split over TP exactly like a dense MLP (expert-TP = TP), so tp x ep x pp must divide
+    # the world size (parallel_state.initialize_model_parallel). 1 for a dense model.
+    ep: int = 1
     # Megatron sequence parallelism: activations outside the TP regions (norms, residual)
     # sharded over the TP ranks along the tokens. "auto": on when tp > 1 (as slime, AReaL
     # and verl run TP); "true"/"false" force it.
@@ -80,6 +86,7 @@ class ParallelConfig:
     def __post_init__(self):
         check_positive("tp", self.tp)
         check_positive("pp", self.pp)
+        check_positive("ep", self.ep)
         self.sequence_parallel = str(self.sequence_parallel).lower()
         check_choice("sequence_parallel", self.sequence_parallel, SEQUENCE_PARALLEL)
         for key in ("first_stage_layers", "last_stage_layers"):

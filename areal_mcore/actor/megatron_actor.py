@@ -34,7 +34,12 @@ from areal_mcore.actor.logprobs import token_logprobs_entropy
 from areal_mcore.actor.parallel import ParallelGroups, init_parallel
 from areal_mcore.devices import check_bound
 from areal_mcore.model import adapter
-from areal_mcore.model.args import ModelArgs, padded_vocab_size, stage_layer_counts
+from areal_mcore.model.args import (
+    ModelArgs,
+    check_expert_parallel,
+    padded_vocab_size,
+    stage_layer_counts,
+)
 from areal_mcore.model.hf_config import build_gpt_model, transformer_config
 from areal_mcore.packing import (
     PackedBatch,
@@ -59,6 +64,7 @@ class MegatronActor:
         if p.first_stage_layers is not None or p.last_stage_layers is not None:
             self.args = dataclasses.replace(self.args, pipeline_split=tuple(stage_layer_counts(
                 self.args.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers)))
+        check_expert_parallel(self.args, p.ep)  # before megatron builds groups for it
         self.groups: ParallelGroups = init_parallel(cfg.parallel, seed)
         g = self.groups
         found = accel.detect()
@@ -114,7 +120,7 @@ class MegatronActor:
                                     sequence_parallel=p.use_sequence_parallel,
                                     first_stage_layers=p.first_stage_layers,
                                     last_stage_layers=p.last_stage_layers,
-                                    on_gpu=found.cuda, fused=use_te,
+                                    on_gpu=found.cuda, fused=use_te, ep_size=g.ep_size,
                                     gradient_accumulation_fusion=accel.wgrad_fusion(
                                         cfg.gradient_accumulation_fusion, found))
         model = build_gpt_model(self.args, config, padded_vocab=self.padded_vocab,
@@ -136,21 +142,24 @@ class MegatronActor:
         g = self.groups
         adapter.copy_into(model, adapter.from_hf(state_dict, self.args, tp_rank=g.tp_rank, tp_size=g.tp_size,
                                                  pp_rank=g.pp_rank, pp_size=g.pp_size,
-                                                 padded_vocab=self.padded_vocab))
+                                                 padded_vocab=self.padded_vocab,
+                                                 ep_rank=g.ep_rank, ep_size=g.ep_size))
         return model
 
     # ------------------------------------------------------------------ weights
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Loads full HF tensors (this rank takes its TP/PP shard)."""
+        """Loads full HF tensors (this rank takes its TP/PP shard and its EP rank's experts)."""
         g = self.groups
         local = adapter.from_hf(state_dict, self.args, tp_rank=g.tp_rank, tp_size=g.tp_size,
-                                pp_rank=g.pp_rank, pp_size=g.pp_size, padded_vocab=self.padded_vocab)
+                                pp_rank=g.pp_rank, pp_size=g.pp_size, padded_vocab=self.padded_vocab,
+                                ep_rank=g.ep_rank, ep_size=g.ep_size)
         adapter.copy_into(self.model.module, local)
         self.optimizer.reload_model_params()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """This pipeline stage's weights in HF names and layout, gathered over TP."""
+        """This pipeline stage's weights in HF names and layout, gathered over TP, and its
+        experts over the expert-parallel group (every expert, on every rank)."""
         g = self.groups
         local = {n: p.detach() for n, p in adapter.module_weights(self.model.module).items()}
         shards = [dict() for _ in range(g.tp_size)]
@@ -158,7 +167,32 @@ class MegatronActor:
             parts = collectives.all_gather(local[name], g.tp)
             for r in range(g.tp_size):
                 shards[r][name] = parts[r].cpu()
-        return adapter.to_hf(shards, self.args, pp_rank=g.pp_rank, pp_size=g.pp_size)
+        out = adapter.to_hf(shards, self.args, pp_rank=g.pp_rank, pp_size=g.pp_size,
+                            ep_rank=g.ep_rank, ep_size=g.ep_size)
+        if g.ep_size > 1:
+            out.update(self._other_experts(shards))
+        return out
+
+    def _other_experts(self, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The HF tensors of the other EP ranks' experts. Every EP rank has the same local
+        names and shapes (``num_experts / ep`` experts each), so one all-gather per local
+        expert weight brings rank r's copy of it, which is global expert ``r * n + local``;
+        ``shards`` (already gathered over expert-TP = TP) are gathered, TP slice by slice."""
+        g = self.groups
+        names = [name for p, name, _ in adapter.stage_entries(self.args, g.pp_rank, g.pp_size, tied_copy=False,
+                                                              ep_rank=g.ep_rank, ep_size=g.ep_size)
+                 if p.per_expert]
+        by_ep = [[dict() for _ in range(g.tp_size)] for _ in range(g.ep_size)]
+        for name in names:
+            for t in range(g.tp_size):
+                for r, part in enumerate(collectives.all_gather(shards[t][name], g.ep)):
+                    by_ep[r][t][name] = part
+        out = {}
+        for r in range(g.ep_size):
+            if r != g.ep_rank:
+                out.update(adapter.to_hf(by_ep[r], self.args, pp_rank=g.pp_rank, pp_size=g.pp_size,
+                                         only=set(names), ep_rank=r, ep_size=g.ep_size))
+        return out
 
     # ------------------------------------------------------------------ checkpoint state
 

@@ -22,12 +22,15 @@ class ParallelGroups:
     pp: dist.ProcessGroup
     dp: dist.ProcessGroup
     mp: dist.ProcessGroup  # TP x PP ranks of this data-parallel replica
+    ep: dist.ProcessGroup  # ranks whose experts together make every expert (size 1: EP off)
     tp_rank: int
     tp_size: int
     pp_rank: int
     pp_size: int
     dp_rank: int
     dp_size: int
+    ep_rank: int
+    ep_size: int
     pp_last_rank: int  # global rank of the last stage in this rank's pipeline
     collection: ProcessGroupCollection  # the same groups, in megatron's container
 
@@ -51,12 +54,24 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> ParallelGroups:
     world = dist.get_world_size()
     if world % (cfg.tp * cfg.pp):
         raise ValueError(f"world size {world} is not divisible by tp={cfg.tp} x pp={cfg.pp}")
+    # megatron lays the expert grid (expert-TP x EP x expert-DP x PP) over the same world
+    # as TP x DP x PP and raises a RuntimeError when expert-TP x EP x PP does not divide it
+    # (parallel_state.initialize_model_parallel, "expert rank generator"). With expert-TP =
+    # TP (below), EP must divide the data-parallel size.
+    if world % (cfg.tp * cfg.ep * cfg.pp):
+        raise ValueError(f"actor.parallel.ep={cfg.ep}: world size {world} is not divisible by "
+                         f"tp={cfg.tp} x ep={cfg.ep} x pp={cfg.pp}; ep must divide the data-parallel "
+                         f"size {world // (cfg.tp * cfg.pp)}")
     mcore_compat.warn_if_untested()
     apply_cpu_shims()
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp
+        tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+        # Expert-TP = TP (megatron's default when None): each expert is split over the TP
+        # group like a dense MLP, so the adapter's TP sharding of experts holds at any EP,
+        # and the expert-TP group is the TP group the actor gathers over.
+        expert_model_parallel_size=cfg.ep, expert_tensor_parallel_size=cfg.tp,
     )
     model_parallel_cuda_manual_seed(seed)
     return ParallelGroups(
@@ -70,6 +85,9 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> ParallelGroups:
         pp_size=cfg.pp,
         dp_rank=mpu.get_data_parallel_rank(),
         dp_size=mpu.get_data_parallel_world_size(),
+        ep=mpu.get_expert_model_parallel_group(),
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        ep_size=cfg.ep,
         pp_last_rank=mpu.get_pipeline_model_parallel_last_rank(),
         collection=ProcessGroupCollection.use_mpu_process_groups(),
     )

@@ -404,9 +404,9 @@ def _refused_before_start(config: str, overrides: list[str]) -> bool:
     why = refusal(cfg)
     try:
         if cfg.launch.stage == "sft" and cfg.sft is not None:
-            check_model_folder("sft.base_model", cfg.sft.base_model)
+            check_model_folder("sft.base_model", cfg.sft.base_model, cfg.actor.parallel.ep)
         elif cfg.model_path:
-            check_model_folder("model_path", cfg.model_path)
+            check_model_folder("model_path", cfg.model_path, cfg.actor.parallel.ep)
     except ValueError as e:
         why = str(e)
     if why:

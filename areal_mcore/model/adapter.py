@@ -208,13 +208,20 @@ def stage_layers(args: ModelArgs, pp_rank: int, pp_size: int) -> range:
     return range(pp_rank * per, (pp_rank + 1) * per)
 
 
-def stage_entries(args: ModelArgs, pp_rank: int, pp_size: int, *, tied_copy: bool = True):
+def stage_entries(args: ModelArgs, pp_rank: int, pp_size: int, *, tied_copy: bool = True,
+                  ep_rank: int = 0, ep_size: int = 1):
     """(ParamMap, megatron name, HF names) for every weight on this stage.
+
+    Experts: expert-parallel rank ``ep_rank`` of ``ep_size`` holds ``num_experts / ep_size``
+    of them, named ``local_experts.{0..n-1}`` in megatron and by their global index
+    ``ep_rank * n + local`` in HF, as megatron numbers them (transformer/moe/moe_layer.py,
+    MoELayer.__init__: ``local_expert_indices``).
 
     ``tied_copy=False`` leaves out the last stage's copy of a tied embedding (it is a
     module parameter but neither HF nor a checkpoint stores it separately).
     """
     first, last = pp_rank == 0, pp_rank == pp_size - 1
+    n_local = args.num_experts // ep_size
     for p in PARAMS:
         if not p.only_if(args):
             continue
@@ -224,8 +231,9 @@ def stage_entries(args: ModelArgs, pp_rank: int, pp_size: int, *, tied_copy: boo
             for local, i in enumerate(stage_layers(args, pp_rank, pp_size)):
                 if not p.layer_if(args, i):
                     continue
-                for e in range(args.num_experts) if p.per_expert else (None,):
-                    yield p, p.mcore.format(l=local, e=e), tuple(h.format(i=i, e=e) for h in p.hf)
+                for e in range(n_local) if p.per_expert else (None,):
+                    hf_e = None if e is None else ep_rank * n_local + e
+                    yield p, p.mcore.format(l=local, e=e), tuple(h.format(i=i, e=hf_e) for h in p.hf)
         else:
             yield p, p.mcore, p.hf
     # A tied lm head lives in the first stage's embedding; megatron keeps a copy in the
@@ -240,29 +248,36 @@ class WeightMismatchError(ValueError):
 
 
 def from_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, *, tp_rank: int, tp_size: int,
-            pp_rank: int, pp_size: int, padded_vocab: int) -> dict[str, torch.Tensor]:
-    """The megatron state dict of one (TP rank, PP stage) from a full HF state dict."""
-    missing = [h for _, _, hf in stage_entries(args, pp_rank, pp_size) for h in hf if h not in state_dict]
+            pp_rank: int, pp_size: int, padded_vocab: int, ep_rank: int = 0,
+            ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """The megatron state dict of one (TP rank, PP stage, EP rank) from a full HF state dict."""
+    entries = list(stage_entries(args, pp_rank, pp_size, ep_rank=ep_rank, ep_size=ep_size))
+    missing = [h for _, _, hf in entries for h in hf if h not in state_dict]
     if missing:
         raise WeightMismatchError(f"HF checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}: is it the "
                                   f"model its config.json describes (same architecture, layers and size)?")
     out = {}
-    for p, name, hf_names in stage_entries(args, pp_rank, pp_size):
+    for p, name, hf_names in entries:
         shard, _ = _KINDS[p.kind]
         out[name] = shard([state_dict[h] for h in hf_names], args, tp_rank, tp_size, padded_vocab).contiguous()
     return out
 
 
 def to_hf(shards: list[dict[str, torch.Tensor]], args: ModelArgs, *, pp_rank: int,
-          pp_size: int, only: set[str] | None = None, contiguous: bool = True) -> dict[str, torch.Tensor]:
+          pp_size: int, only: set[str] | None = None, contiguous: bool = True,
+          ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
     """HF tensors of one PP stage from the megatron state dicts of all its TP ranks.
+
+    Experts are those of expert-parallel rank ``ep_rank`` (``shards`` are that rank's), under
+    their global HF names; the other weights are the same on every EP rank.
 
     ``only`` restricts the conversion to those megatron names (a weight-sync bucket).
     ``contiguous=False``: views where the layout allows (a lone shard, q/k/v of a fused
     weight), for a caller that copies them anyway; they share the shards' memory.
     """
     out = {}
-    for p, name, hf_names in stage_entries(args, pp_rank, pp_size, tied_copy=False):
+    for p, name, hf_names in stage_entries(args, pp_rank, pp_size, tied_copy=False, ep_rank=ep_rank,
+                                           ep_size=ep_size):
         if only is not None and name not in only:
             continue
         _, merge = _KINDS[p.kind]

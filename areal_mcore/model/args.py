@@ -259,12 +259,28 @@ def folder_args(folder: str | Path) -> ModelArgs | None:
     return ModelArgs.from_hf(SimpleNamespace(**json.loads(config.read_text()))) if config.is_file() else None
 
 
-def check_model_folder(key: str, folder: str) -> None:
+def check_model_folder(key: str, folder: str, ep: int = 1) -> None:
     """Refuses, naming the key and the file, a model folder whose config.json the mapping
-    cannot represent: run before any process starts, where the actor would only find out
-    after the servers and ranks had started. A folder without config.json is the path
-    checks' to report."""
+    cannot represent, or that ``actor.parallel.ep`` cannot split: run before any process
+    starts, where the actor would only find out after the servers and ranks had started.
+    A folder without config.json is the path checks' to report."""
     try:
-        folder_args(folder)
+        args = folder_args(folder)
     except ValueError as e:
         raise ValueError(f"{key}={folder}: config.json: {e}") from None
+    if args is not None:
+        check_expert_parallel(args, ep)
+
+
+def check_expert_parallel(args: ModelArgs, ep_size: int) -> None:
+    """Raises naming ``actor.parallel.ep`` when the model cannot be split over ``ep_size``.
+
+    megatron's MoELayer builds ``num_moe_experts // ep`` local experts per rank and only
+    asserts the division, in the middle of building the model (transformer/moe/moe_layer.py,
+    MoELayer.__init__), so it is refused here first, with the key to change."""
+    if ep_size < 1:
+        raise ValueError(f"actor.parallel.ep={ep_size} must be >= 1")
+    if ep_size > 1 and not args.num_experts:
+        raise ValueError(f"actor.parallel.ep={ep_size}: {args.model_type} is a dense model (no experts); set ep=1")
+    if ep_size > 1 and args.num_experts % ep_size:
+        raise ValueError(f"actor.parallel.ep={ep_size} must divide the model's num_experts={args.num_experts}")

@@ -30,6 +30,7 @@ def apply_cpu_shims() -> bool:
     _cuda_factories_to_cpu()
     _cuda_type_names()
     _tied_embedding_setup_on_cpu()
+    _moe_split_sizes_on_cpu()
     _APPLIED = True
     return True
 
@@ -245,3 +246,23 @@ def _tied_embedding_setup_on_cpu() -> None:
             torch.Tensor.cuda = cuda
 
     LanguageModule.setup_embeddings_and_output_layer = setup
+
+
+def _moe_split_sizes_on_cpu() -> None:
+    # transformer/moe/token_dispatcher.py: MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize
+    # turns the all-to-all split sizes into numpy arrays through moe_utils.maybe_move_tensor_to_cpu
+    # (as_numpy=True), which converts only CUDA tensors; CPU tensors stay tensors, and
+    # torch.distributed.all_to_all_single (tensor_parallel/mappings.py, _AllToAll) refuses a
+    # tensor as split sizes. Reached only with expert parallelism (EP > 1: a real exchange).
+    # The dispatcher imported the function by name (0.16 and 0.19), so its reference is replaced.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_cpu

@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from areal_mcore.model import mcore_compat
-from areal_mcore.model.args import ModelArgs, stage_layer_counts
+from areal_mcore.model.args import ModelArgs, check_expert_parallel, stage_layer_counts
 from areal_mcore.model.attention import CPUCoreAttention
 from areal_mcore.model.norm import SequenceParallelRMSNorm
 
@@ -31,7 +31,7 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
                        sequence_parallel: bool = False, first_stage_layers: int | None = None,
                        last_stage_layers: int | None = None, on_gpu: bool = False,
                        fused: bool = False, gradient_accumulation_fusion: bool = False,
-                       moe_aux_loss_coeff: float = 0.0) -> TransformerConfig:
+                       moe_aux_loss_coeff: float = 0.0, ep_size: int = 1) -> TransformerConfig:
     """The megatron config for ``args`` under the given parallelism.
 
     ``recompute`` turns on activation recomputation: ``full`` reruns each layer's forward
@@ -43,7 +43,9 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
     kernels, which need TransformerEngine/apex on a GPU. ``moe_aux_loss_coeff`` weights
     megatron's per-micro-batch load-balancing loss of an MoE model (0: none; the actor
     passes none, ``args.router_aux_loss_coef`` only records the checkpoint's value).
+    ``ep_size``: expert parallelism (each rank builds ``num_experts / ep_size`` experts).
     """
+    check_expert_parallel(args, ep_size)
     stage_layer_counts(args.num_layers, pp_size, first_stage_layers, last_stage_layers)  # validates
     for name, value in (("num_attention_heads", args.num_heads), ("num_key_value_heads", args.num_kv_heads)):
         if value % tp_size:
@@ -56,7 +58,7 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
         recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute:
         recompute_kw = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
-    moe_kw = _moe_config(args, tp_size, moe_aux_loss_coeff) if args.num_experts else {}
+    moe_kw = _moe_config(args, tp_size, moe_aux_loss_coeff, ep_size) if args.num_experts else {}
     uneven_kw = {}
     if pp_size > 1:  # megatron rejects these keys without pipeline parallelism
         uneven_kw = dict(num_layers_in_first_pipeline_stage=first_stage_layers,
@@ -101,7 +103,7 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
     )
 
 
-def _moe_config(args: ModelArgs, tp_size: int, aux_loss_coeff: float) -> dict:
+def _moe_config(args: ModelArgs, tp_size: int, aux_loss_coeff: float, ep_size: int) -> dict:
     """TransformerConfig's MoE keys reproducing transformers' Qwen3MoeSparseMoeBlock.
 
     HF (modeling_qwen3_moe.py, Qwen3MoeTopKRouter.forward): softmax over all experts' logits
@@ -117,6 +119,11 @@ def _moe_config(args: ModelArgs, tp_size: int, aux_loss_coeff: float) -> dict:
                          f"(expert tensor parallelism splits each expert like a dense MLP)")
     return dict(
         num_moe_experts=args.num_experts,
+        # Read by megatron's config checks and sharded checkpoints; the layers themselves take
+        # the EP group's size from the pg_collection (MoELayer.__init__). Expert-TP = TP, as
+        # actor/parallel.py initialises it.
+        expert_model_parallel_size=ep_size,
+        expert_tensor_parallel_size=tp_size,
         moe_router_topk=args.moe_top_k,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_router_score_function="softmax",

@@ -49,6 +49,7 @@ class TrainerShape:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1  # expert parallelism: a rank holds num_experts / ep experts
     sequence_parallel: bool = False
     recompute: bool = False
     recompute_granularity: str = "full"
@@ -84,21 +85,28 @@ class RankPlan:
         return sum(self.terms.values())
 
 
-def layer_params(args: ModelArgs, layer: int, tp: int = 1) -> int:
-    """Parameters of global layer ``layer`` on one of ``tp`` TP ranks. The projections and
-    the experts split over TP (at expert-parallel size 1 the expert-TP group is the TP
-    group); the norms, Qwen3's per-head q/k norms and an MoE layer's router are whole on
-    every rank."""
+def layer_params(args: ModelArgs, layer: int, tp: int = 1, ep: int = 1) -> int:
+    """Parameters of global layer ``layer`` on one of ``tp`` TP ranks (and one of ``ep``
+    EP ranks). The projections and the experts split over TP (the expert-TP group is the
+    TP group: actor/parallel.py), the experts also over EP; the norms, Qwen3's per-head q/k
+    norms and an MoE layer's router are whole on every rank."""
     h = args.hidden_size
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     split = h * (q + 2 * kv) + (q + 2 * kv) * args.qkv_bias + q * h
     whole = 2 * h + 2 * args.head_dim * args.qk_norm
-    if args.is_moe_layer(layer):  # every expert's SwiGLU, and the router's [experts, h]
-        split += args.num_experts * 3 * h * args.moe_ffn_hidden_size
+    if args.is_moe_layer(layer):  # the router's [experts, h]
         whole += args.num_experts * h
     else:
         split += 3 * h * args.ffn_hidden_size
-    return split // tp + whole
+    return split // tp + whole + layer_expert_params(args, layer, tp, ep)
+
+
+def layer_expert_params(args: ModelArgs, layer: int, tp: int = 1, ep: int = 1) -> int:
+    """Expert parameters of global layer ``layer`` on one rank: each SwiGLU of its
+    ``num_experts / ep`` local experts, split over TP."""
+    if not args.is_moe_layer(layer):
+        return 0
+    return args.num_experts // ep * 3 * args.hidden_size * args.moe_ffn_hidden_size // tp
 
 
 def stage_params(args: ModelArgs, shape: TrainerShape, stage: int) -> int:
@@ -107,7 +115,7 @@ def stage_params(args: ModelArgs, shape: TrainerShape, stage: int) -> int:
     layers = stage_layer_counts(args.num_layers, shape.pp, shape.first_stage_layers, shape.last_stage_layers)
     vocab = padded_vocab_size(args.vocab_size, t, shape.vocab_divisible_by) * h // t
     first = sum(layers[:stage])
-    n = sum(layer_params(args, i, t) for i in range(first, first + layers[stage]))
+    n = sum(layer_params(args, i, t, shape.ep) for i in range(first, first + layers[stage]))
     if stage == 0:
         n += vocab
     if stage == shape.pp - 1:
@@ -115,6 +123,13 @@ def stage_params(args: ModelArgs, shape: TrainerShape, stage: int) -> int:
         # stage that is not also the first.
         n += h + (vocab if not args.tie_word_embeddings or shape.pp > 1 else 0)
     return n
+
+
+def stage_expert_params(args: ModelArgs, shape: TrainerShape, stage: int) -> int:
+    """The expert parameters among ``stage_params`` (one rank's)."""
+    layers = stage_layer_counts(args.num_layers, shape.pp, shape.first_stage_layers, shape.last_stage_layers)
+    first = sum(layers[:stage])
+    return sum(layer_expert_params(args, i, shape.tp, shape.ep) for i in range(first, first + layers[stage]))
 
 
 def _mean_seqlen_weight(shape: TrainerShape) -> float:
@@ -176,6 +191,12 @@ def stage_activation_bytes(args: ModelArgs, shape: TrainerShape, stage: int) -> 
 def trainer_rank(args: ModelArgs, shape: TrainerShape, stage: int) -> RankPlan:
     """The terms of one TP rank of ``stage``."""
     n = stage_params(args, shape, stage)
+    # The distributed optimizer shards the experts' fp32 state over the expert-DP group,
+    # dp / ep ranks (megatron builds a separate buffer for them: DistributedDataParallel's
+    # expert_parallel_buffers, over parallel_state's expert-data-parallel group); the rest
+    # over DP. So EP shrinks an expert's weights and grads per rank, not its optimizer state.
+    experts = stage_expert_params(args, shape, stage)
+    sharded = (n - experts) / shape.dp + experts / max(shape.dp // shape.ep, 1)
     b = shape.dtype_bytes
     saved, logits_grad, note = stage_activation_bytes(args, shape, stage)
     last = stage == shape.pp - 1
@@ -183,8 +204,8 @@ def trainer_rank(args: ModelArgs, shape: TrainerShape, stage: int) -> RankPlan:
         "weights": n * b,
         "ref_weights": n * b if shape.reference_model else 0.0,
         "grads": 4.0 * n,
-        "main_params": 4.0 * n / shape.dp if b < 4 else 0.0,
-        "optimizer": 8.0 * n / shape.dp,
+        "main_params": 4.0 * sharded if b < 4 else 0.0,
+        "optimizer": 8.0 * sharded,
         "activations": saved,
         "logits_grad": logits_grad,
         "weight_sync": float(shape.weight_sync_bytes),

@@ -62,7 +62,7 @@ def trainer_shape(cfg, gpu_bytes: float) -> TrainerShape:
     a, p = cfg.actor, cfg.actor.parallel
     sync = 2 * cfg.weight_sync.bucket_mb * 2**20 if cfg.rollout is not None else 0  # gathered + flat bucket
     return TrainerShape(
-        tp=p.tp, pp=p.pp, dp=trainer_dp(cfg), sequence_parallel=p.use_sequence_parallel,
+        tp=p.tp, pp=p.pp, dp=trainer_dp(cfg), ep=p.ep, sequence_parallel=p.use_sequence_parallel,
         recompute=a.recompute, recompute_granularity=a.recompute_granularity,
         first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
         tokens_per_mb=a.mb_spec.max_tokens_per_mb, dtype_bytes=_DTYPE_BYTES[a.dtype],

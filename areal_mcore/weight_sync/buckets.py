@@ -24,6 +24,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Unit:
     mcore: str  # megatron parameter name (stage-local)
     hf: tuple[tuple[str, tuple[int, ...]], ...]  # (HF name, HF shape) it converts to
+    # Experts: the expert-parallel rank whose ``mcore`` (a local expert) this is; every EP
+    # rank has the same local names, each for other global experts. None: not an expert.
+    ep_rank: int | None = None
 
     def nbytes(self, dtype: torch.dtype) -> int:
         return sum(math.prod(shape) for _, shape in self.hf) * dtype.itemsize
@@ -51,19 +54,26 @@ def plan_key(shard_shapes: dict[str, torch.Size]) -> tuple:
 
 
 def make_plan(shard_shapes: dict[str, torch.Size], args: ModelArgs, *, tp_size: int, pp_rank: int,
-              pp_size: int, dtype: str, bucket_bytes: int) -> SyncPlan:
+              pp_size: int, dtype: str, bucket_bytes: int, ep_size: int = 1) -> SyncPlan:
     """Plans a stage from its TP shard shapes (megatron names -> shapes on this rank).
 
     HF shapes come from running the adapter's merge on meta tensors, so the plan can never
-    disagree with the conversion it schedules.
+    disagree with the conversion it schedules. With expert parallelism (``ep_size`` > 1)
+    each local expert weight is one unit per EP rank (its global experts' HF names), next
+    to each other in layer order: every expert of the stage is sent once.
     """
     if dtype not in DTYPES:
         raise ValueError(f"weight_sync.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     meta = {n: torch.empty(s, device="meta") for n, s in shard_shapes.items()}
+    per_ep = [list(adapter.stage_entries(args, pp_rank, pp_size, tied_copy=False, ep_rank=r, ep_size=ep_size))
+              for r in range(ep_size)]
     units = []
-    for _, name, _ in adapter.stage_entries(args, pp_rank, pp_size, tied_copy=False):
-        hf = adapter.to_hf([meta] * tp_size, args, pp_rank=pp_rank, pp_size=pp_size, only={name})
-        units.append(Unit(mcore=name, hf=tuple((n, tuple(t.shape)) for n, t in hf.items())))
+    for same in zip(*per_ep, strict=True):  # the same megatron name on every EP rank
+        p, name, _ = same[0]
+        for r in range(ep_size) if p.per_expert else (None,):
+            hf = adapter.to_hf([meta] * tp_size, args, pp_rank=pp_rank, pp_size=pp_size, only={name},
+                               ep_rank=r or 0, ep_size=ep_size)
+            units.append(Unit(mcore=name, hf=tuple((n, tuple(t.shape)) for n, t in hf.items()), ep_rank=r))
     sizes = [u.nbytes(DTYPES[dtype]) for u in units]
     buckets = tuple(tuple(units[i] for i in b) for b in assign_buckets(sizes, bucket_bytes))
     return SyncPlan(pp_rank=pp_rank, dtype=dtype, buckets=buckets, key=plan_key(shard_shapes))

@@ -65,6 +65,11 @@ class DistributedSync(Syncer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.g.ep_size > 1:
+            # Replica 0 alone takes part (distributed_roles), and it holds only its EP rank's
+            # experts; their EP peers are other data-parallel replicas.
+            raise ValueError(f"actor.parallel.ep={self.g.ep_size} needs weight_sync.mode=disk: the distributed "
+                             "weight sync does not gather experts over expert parallelism yet")
         self._plan: SyncPlan | None = None
         self._group = None  # this stage head's end of its update group (transport.py)
         self._spec = None  # its GroupSpec (what the servers' bucket requests name)
