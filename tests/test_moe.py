@@ -53,7 +53,8 @@ def run():
 
     def get(tp, pp, norm=True, ep=1):
         if (tp, pp, norm, ep) not in cache:
-            cache[tp, pp, norm, ep] = run_gloo(_worker, 2, tp, pp, _shape(norm), ep)
+            world = max(2, tp * pp * ep)  # EP comes out of data parallelism (expert-TP = TP)
+            cache[tp, pp, norm, ep] = run_gloo(_worker, world, tp, pp, _shape(norm), ep)
         return cache[tp, pp, norm, ep]
     return get
 
@@ -93,8 +94,8 @@ def test_moe_packed_logprobs_equal_transformers_per_sequence(run, tp, pp, norm):
 
 # --------------------------------------------------------------------------- expert parallelism
 # EP=2 on 2 ranks: TP=1, DP=2, each rank holds 4 of the 8 experts and the alltoall dispatcher
-# sends tokens between the two data-parallel ranks. TP=2 x EP=2 needs 4 ranks here: the
-# expert grid is expert-TP (= TP) x EP x PP (actor/parallel.py), which must divide the world.
+# sends tokens between the two data-parallel ranks. TP=2 x EP=2 takes 4 ranks: the expert
+# grid is expert-TP (= TP) x EP x PP (actor/parallel.py), which must divide the world.
 
 
 @pytest.mark.multirank
@@ -109,6 +110,28 @@ def test_moe_at_ep2_round_trips_hf_weights_bitwise_and_matches_transformers(run)
         assert set(back) == set(state) == set(trained)
         assert not [k for k, v in state.items() if not torch.equal(back[k], v)]
         assert (logp - want).abs().max() <= 1e-4
+
+
+@pytest.mark.multirank
+def test_moe_at_tp2_x_ep2_on_four_ranks_round_trips_matches_transformers_and_trains_as_tp2(run):
+    """TP=2 x EP=2 (4 ranks, DP=2): each rank holds half of each of its 4 experts; the
+    TP-rank-0 of each EP rank gathers all 8 back bitwise, logprobs equal transformers', and
+    the batch (split over the two data-parallel ranks) trains the same weights as TP=2."""
+    _, state, _ = tiny_model(ARCH, vocab=VOCAB)
+    want = _hf_logprobs(_shape(True))
+    results = run(2, 1, ep=2)
+    exported = [(loaded, trained) for _, loaded, trained in results if loaded]
+    assert len(results) == 4 and len(exported) == 2  # the TP-rank-0 of each EP rank
+    for logp, _, _ in results:
+        assert (logp - want).abs().max() <= 1e-4
+    tp2 = _merged(run(2, 1), 2)
+    for loaded, trained in exported:
+        assert loaded["local_experts"] == 3 * 4 * 2  # 3 MoE layers x 4 experts x (fc1, fc2)
+        back = {k: v for k, v in loaded.items() if k != "local_experts"}
+        assert set(back) == set(state) == set(trained) == set(tp2)
+        assert not [k for k, v in state.items() if not torch.equal(back[k], v)]
+        rel = max(float((trained[k] - v).abs().max() / v.abs().max()) for k, v in tp2.items())
+        assert rel <= 1e-4, rel
 
 
 @pytest.mark.multirank

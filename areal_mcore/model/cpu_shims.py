@@ -31,6 +31,7 @@ def apply_cpu_shims() -> bool:
     _cuda_type_names()
     _tied_embedding_setup_on_cpu()
     _moe_split_sizes_on_cpu()
+    _uneven_gather_on_gloo()
     _APPLIED = True
     return True
 
@@ -266,3 +267,31 @@ def _moe_split_sizes_on_cpu() -> None:
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
+
+
+def _uneven_gather_on_gloo() -> None:
+    # tensor_parallel/mappings.py, _gather_along_first_dim with output_split_sizes: an
+    # all_gather into a list of differently sized tensors. ProcessGroupNCCL takes it (it
+    # falls back to one broadcast per rank when the sizes differ); gloo refuses it
+    # ("ProcessGroupGloo::allgather: invalid tensor size"). The alltoall token dispatcher
+    # calls it over the expert-TP group with each rank's count of routed tokens
+    # (token_dispatcher.py, MoEAlltoAllTokenDispatcher.dispatch_postprocess), so TP > 1
+    # with EP > 1 reaches it. Here each rank's part is padded to the largest, gathered, and
+    # cut back: the same result. Its backward, a reduce_scatter of uneven parts, gloo takes.
+    # The layer's autograd function calls the module global (0.16 and 0.19), replaced here.
+    from megatron.core.tensor_parallel import mappings
+
+    original = mappings._gather_along_first_dim
+
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or len(set(output_split_sizes)) <= 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes, strict=True)])
+
+    mappings._gather_along_first_dim = gather
