@@ -43,13 +43,16 @@ def add_convert_parsers(sub) -> None:
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     inp = kinds.add_parser(
-        "hf-to-mcore", help="HF folder -> step-0 training checkpoint at a TP/PP layout",
-        description="Import an HF Qwen2/LLaMA folder as a training checkpoint at the given "
-                    "TP x PP (written by tp*pp CPU ranks), to start a long run from it.")
+        "hf-to-mcore", help="HF folder -> step-0 training checkpoint at a TP/PP/EP layout",
+        description="Import an HF folder (qwen2, qwen3, qwen3_moe, llama) as a training checkpoint "
+                    "at the given TP x PP x EP (written by tp*pp*ep CPU ranks), to start a long run "
+                    "from it.")
     inp.add_argument("--input", required=True, help="HF model folder")
     inp.add_argument("--output", required=True, help="checkpoint root to write (gets 'latest')")
     inp.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the run")
     inp.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the run")
+    inp.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel size of the run (MoE models; the run's actor.parallel.ep)")
     inp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
 
 
@@ -74,8 +77,8 @@ def run_convert(a) -> int:
         print(f"wrote {len(index['weight_map'])} tensors in {files} shard(s) to {a.output}"
               + (" (verified)" if a.verify else ""))
     else:
-        path = hf_to_mcore(a.input, a.output, tp=a.tp, pp=a.pp, dtype=a.dtype)
-        print(f"wrote {path} (tp={a.tp}, pp={a.pp})")
+        path = hf_to_mcore(a.input, a.output, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype)
+        print(f"wrote {path} (tp={a.tp}, pp={a.pp}, ep={a.ep})")
     return 0
 
 

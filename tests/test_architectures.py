@@ -187,19 +187,31 @@ def _convert(*args):
 
 @pytest.mark.slow  # 243 s on the 2 shared cores (llama3 took 223 s too: it adds no weight names)
 # qwen3_moe: its checkpoint keys each layer by index and stacks a layer's experts (mcore_reader.py)
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_convert_hf_to_tp2_and_back_is_bitwise_and_verifies(arch, tmp_path):
+# and at EP=2 too: 4 ranks, each writing half of each of its 4 experts
+@pytest.mark.parametrize("arch, layout", [("qwen3", ["--tp", "2"]), ("qwen3_moe", ["--tp", "2", "--ep", "2"])])
+def test_convert_hf_to_tp2_and_back_is_bitwise_and_verifies(arch, layout, tmp_path):
     from areal_mcore.convert.tools import load_hf_state_dict
 
     _, state, model = tiny_model(arch, vocab=VOCAB, **SHAPE)
     model.save_pretrained(tmp_path / "hf")
-    for args in (("hf-to-mcore", "--input", tmp_path / "hf", "--output", tmp_path / "ckpt", "--tp", "2"),
+    for args in (("hf-to-mcore", "--input", tmp_path / "hf", "--output", tmp_path / "ckpt", *layout),
                  ("mcore-to-hf", "--input", tmp_path / "ckpt", "--output", tmp_path / "out", "--no-progress",
                   "--verify")):
         proc = _convert(*map(str, args))
         assert proc.returncode == 0, proc.stderr
     back = load_hf_state_dict(tmp_path / "out")
     assert set(back) == set(state) and all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_convert_refuses_an_ep_the_model_cannot_split_in_one_line_with_exit_2(tmp_path):
+    for arch, ep, why in (("qwen3", "2", "--ep=2: qwen3 is a dense model (no experts); set ep=1"),
+                          ("qwen3_moe", "3", "--ep=3 must divide the model's num_experts=8")):
+        tiny_model(arch, vocab=VOCAB, **SHAPE)[2].save_pretrained(tmp_path / arch)
+        proc = _convert("hf-to-mcore", "--input", str(tmp_path / arch), "--output", str(tmp_path / "ckpt"),
+                        "--ep", ep)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and lines == [f"areal-mcore convert: error: {why}"], proc.stderr
+    assert not (tmp_path / "ckpt").exists()
 
 
 def _yarn_model(folder):

@@ -28,6 +28,10 @@ from areal_mcore.run_dir import latest_checkpoint
 
 _LAYER_INDEX = re.compile(r"^decoder\.layers\.\d+\.")
 _EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.)experts\.local_experts\.(\d+)\.(.*)")
+# Optimizer state, not weights. With expert parallelism megatron chains two optimizers (dense
+# and expert parameters, different data-parallel groups) and prefixes each one's keys with
+# ``chained_{i}.`` (optimizer/optimizer.py, ChainedOptimizer.sharded_state_dict).
+_OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
 
 
 class _RegionPlanner(DefaultLoadPlanner):
@@ -134,7 +138,7 @@ class McoreCheckpointReader:
         L = self.args.num_layers
         needed = {self._locate(n, stage)[0] for stage in range(L)
                   for _, n, _ in adapter.stage_entries(self.args, stage, L, tied_copy=False)}
-        stored = {k for k in self.stored if not k.startswith("optimizer.")}
+        stored = {k for k in self.stored if not _OPTIMIZER.match(k)}
         missing, extra = sorted(needed - stored), sorted(stored - needed)
         if missing or extra:
             raise adapter.WeightMismatchError(f"{self.path}: checkpoint lacks {missing[:10]} and has unexpected "

@@ -3,8 +3,8 @@
 - ``mcore_to_hf``: a training checkpoint (any TP/PP) -> HF folder, streamed a layer at a
   time (peak memory ≈ one shard + one layer, or the read of the largest stored tensor,
   whichever is larger), on CPU.
-- ``hf_to_mcore``: an HF folder -> a step-0 training checkpoint at a chosen TP/PP, written
-  by real megatron ranks so that a run at that layout resumes from it directly.
+- ``hf_to_mcore``: an HF folder -> a step-0 training checkpoint at a chosen TP/PP/EP,
+  written by real megatron ranks so that a run at that layout resumes from it directly.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from areal_mcore.convert.hf_files import hf_tensor_names, load_hf_state_dict
 from areal_mcore.convert.hf_writer import ShardedSafetensorsWriter, write_model_files
 from areal_mcore.convert.mcore_reader import McoreCheckpointReader
 from areal_mcore.model import adapter
-from areal_mcore.model.args import ModelArgs, args_mismatch
+from areal_mcore.model.args import ModelArgs, args_mismatch, check_expert_parallel
 from areal_mcore.net import free_port
 from areal_mcore.run_dir import latest_checkpoint
 
@@ -150,22 +150,25 @@ def _megatron_logits(reader: McoreCheckpointReader, tokens: torch.Tensor) -> tor
 # --------------------------------------------------------------------------- HF -> mcore
 
 
-def hf_to_mcore(input: str | Path, output: str | Path, *, tp: int = 1, pp: int = 1,
+def hf_to_mcore(input: str | Path, output: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
                 dtype: str = "float32") -> Path:
-    """Writes a step-0 training checkpoint of the HF model at TP x PP (tp*pp CPU ranks)."""
+    """Writes a step-0 training checkpoint of the HF model at TP x PP x EP (tp*pp*ep CPU
+    ranks: EP is carved out of data parallelism, so its ranks are the data-parallel ones)."""
     import torch.multiprocessing as mp
 
-    # Fail early, in this process, on a bad folder: config, then every weight name.
+    # Fail early, in this process, on a bad folder: config, EP split, then every weight name.
     args = ModelArgs.from_hf(_load_hf_config(input))
+    check_expert_parallel(args, ep, key="--ep")
     names = [n for n in hf_tensor_names(input) if not (args.tie_word_embeddings and n == "lm_head.weight")]
     adapter.check_hf_names(names, args, str(input))
     port = free_port()
-    mp.start_processes(_hf_to_mcore_rank, args=(tp * pp, port, str(input), str(output), tp, pp, dtype),
-                       nprocs=tp * pp, start_method="spawn")
+    world = tp * pp * ep
+    mp.start_processes(_hf_to_mcore_rank, args=(world, port, str(input), str(output), tp, pp, ep, dtype),
+                       nprocs=world, start_method="spawn")
     return latest_checkpoint(output)
 
 
-def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, dtype):
+def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, ep, dtype):
     import torch.distributed as dist
 
     from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
@@ -184,7 +187,7 @@ def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, dtype):
     try:
         hf_config = _load_hf_config(input)
         cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=1), optimizer=OptimizerConfig(lr=1e-5),
-                          parallel=ParallelConfig(tp=tp, pp=pp), dtype=dtype)
+                          parallel=ParallelConfig(tp=tp, pp=pp, ep=ep), dtype=dtype)
         actor = MegatronActor(cfg, hf_config)
         state = load_hf_state_dict(input)
         # transformers drops the lm head of tied models from the files: ignore a stray one.

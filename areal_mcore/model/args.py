@@ -272,15 +272,15 @@ def check_model_folder(key: str, folder: str, ep: int = 1) -> None:
         check_expert_parallel(args, ep)
 
 
-def check_expert_parallel(args: ModelArgs, ep_size: int) -> None:
-    """Raises naming ``actor.parallel.ep`` when the model cannot be split over ``ep_size``.
+def check_expert_parallel(args: ModelArgs, ep_size: int, key: str = "actor.parallel.ep") -> None:
+    """Raises naming ``key`` (``actor.parallel.ep``, or convert's ``--ep``) when the model cannot be split over ``ep_size``.
 
     megatron's MoELayer builds ``num_moe_experts // ep`` local experts per rank and only
     asserts the division, in the middle of building the model (transformer/moe/moe_layer.py,
     MoELayer.__init__), so it is refused here first, with the key to change."""
     if ep_size < 1:
-        raise ValueError(f"actor.parallel.ep={ep_size} must be >= 1")
+        raise ValueError(f"{key}={ep_size} must be >= 1")
     if ep_size > 1 and not args.num_experts:
-        raise ValueError(f"actor.parallel.ep={ep_size}: {args.model_type} is a dense model (no experts); set ep=1")
+        raise ValueError(f"{key}={ep_size}: {args.model_type} is a dense model (no experts); set ep=1")
     if ep_size > 1 and args.num_experts % ep_size:
-        raise ValueError(f"actor.parallel.ep={ep_size} must divide the model's num_experts={args.num_experts}")
+        raise ValueError(f"{key}={ep_size} must divide the model's num_experts={args.num_experts}")

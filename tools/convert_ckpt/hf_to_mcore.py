@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""HF folder -> step-0 training checkpoint at --tp/--pp. Same as `areal-mcore convert hf-to-mcore`."""
+"""HF folder -> step-0 training checkpoint at --tp/--pp/--ep. Same as `areal-mcore convert hf-to-mcore`."""
 
 import sys
 
