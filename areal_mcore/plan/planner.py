@@ -193,10 +193,10 @@ def _rescale_allocation(old, new):
         return new  # DP unknown (1) either way
     n = new.actor.parallel
     gpus = t.gpus
-    if gpus % (n.tp * n.pp):
-        return None
-    trainer = f"megatron:d{gpus // (n.tp * n.pp)}" + (f"p{n.pp}" if n.pp > 1 else "") + (f"t{n.tp}" if n.tp > 1 else "")
-    text = f"{alloc.rollout}+{trainer}" if alloc.rollout else trainer
+    if gpus % (n.tp * n.pp) or (gpus // (n.tp * n.pp)) % t.e:
+        return None  # the GPUs do not tile, or EP (carved out of DP) no longer divides DP
+    trainer = dataclasses.replace(t, d=gpus // (n.tp * n.pp), t=n.tp, p=n.pp)
+    text = f"{alloc.rollout}+{trainer}" if alloc.rollout else str(trainer)
     return _replace(new, "launch.allocation", text)
 
 
