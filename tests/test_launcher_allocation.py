@@ -214,3 +214,37 @@ def test_a_trainer_node_execs_torchrun_with_its_rank_and_gloos_interface(tmp_pat
                           f"--master-port={port}", "--nnodes=1", "-m", "areal_mcore.cli", "sft"]
     # gloo (megatron's gloo groups, the control group) binds the interface to the master
     assert env["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+FOUR_NODES = """#!/bin/sh
+# show hostnames X | show node -o X | show job -o ID, as Slurm prints them
+case "$1 $2" in
+  "show hostnames") printf 'gpu1\\ngpu2\\ngpu3\\ngpu4\\n' ;;
+  "show node") echo "NodeName=$4 NodeAddr=$4" ;;
+  "show job") echo "JobId=$4 JobState=RUNNING TimeLimit=UNLIMITED" ;;
+esac
+"""
+
+
+def test_the_qwen3_30b_a3b_launch_gives_the_ep_trainer_two_nodes_of_8_gpus(tmp_path, monkeypatch):
+    """sglang:d8t2+megatron:d8t2e8 on 4 x 8 GPUs: 8 TP-2 servers on 2 nodes, the trainer's 16
+    ranks (EP 8 among its DP 8, no GPUs of its own) on the other 2, 8 per node."""
+    import os
+
+    from areal_mcore.launcher import slurm
+
+    (tmp_path / "scontrol").write_text(FOUR_NODES)
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(os, "environ", {**os.environ, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu[1-4]",
+                                        "SLURM_CPUS_ON_NODE": "96"})
+    launcher = slurm.Launcher("configs/qwen3_30b_a3b.yaml", [f"trainer.log_dir={tmp_path}"])
+    started = []
+    monkeypatch.setattr(slurm, "node_address", lambda node: node)
+    monkeypatch.setattr(slurm.subprocess, "Popen", lambda cmd, env=None: started.append(cmd))
+    assert launcher.alloc.place(len(launcher.job.nodes), 8) == (2, 2)
+    launcher._start_trainer(["gpu3", "gpu4"], ["http://gpu1:1"])
+    cmd = started[0]
+    assert {"--nodes=2", "--nodelist=gpu3,gpu4", "--gpus-per-node=8", "--cpus-per-task=96"} <= set(cmd)
+    assert {"--nnodes=2", "--nproc-per-node=8", "actor.parallel.tp=2"} <= set(cmd)
+    assert "actor.parallel.ep=8" not in cmd  # the config's own, which config load checked against e8
