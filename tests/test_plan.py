@@ -178,6 +178,18 @@ def test_qwen3_30b_a3b_is_qwen3_8bs_recipe_and_its_plan_reads_ep_from_the_alloca
     assert peak.total / GiB == pytest.approx(54.4, abs=0.05)
 
 
+def test_an_moe_config_that_does_not_fit_is_offered_more_ep_with_the_allocations_e():
+    ep2 = ["actor.parallel.ep=2", "launch.allocation=sglang:d8t2+megatron:d8t2e2"]
+    plan = make_plan(load_config("configs/qwen3_30b_a3b.yaml", ep2))
+    assert not plan.trainer_fits
+    fixes = {tuple(f["overrides"]): f for f in plan.fixes}
+    more_ep = ("actor.parallel.ep=4", "launch.allocation=sglang:d8t2+megatron:d8t2e4")
+    assert fixes[more_ep]["fits"] and fixes[more_ep]["trainer_peak_gib"] < plan.peak.total / GiB
+    assert make_plan(load_config("configs/qwen3_30b_a3b.yaml", [*ep2, *more_ep])).trainer_fits  # as printed
+    # TP/PP fixes shrink d and keep e (it must still divide d)
+    assert ("actor.parallel.tp=4", "launch.allocation=sglang:d8t2+megatron:d4t4e2") in fixes
+
+
 def test_unknown_architecture_names_the_key():
     cfg = load_config("configs/boba_32b_ppo.yaml", ["plan.architecture=null"])
     with pytest.raises(ValueError, match="plan.architecture"):
