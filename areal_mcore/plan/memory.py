@@ -253,7 +253,10 @@ def trainer_rank(args: ModelArgs, shape: TrainerShape, stage: int) -> RankPlan:
         "weight_sync": float(shape.weight_sync_bytes),
         "margin": float(shape.margin_bytes),
     }
-    notes = {"weights": f"{n / 1e9:.3f} B params", "activations": note + (" + logits" if last else "")}
+    params = f"{n / 1e9:.3f} B params" + (
+        f", {experts / 1e9:.3f} B of them experts (EP {shape.ep}; their optimizer state over "
+        f"expert-DP {max(shape.dp // shape.ep, 1)})" if experts else "")
+    notes = {"weights": params, "activations": note + (" + logits" if last else "")}
     return RankPlan(where=f"trainer stage {stage}", terms=terms, notes=notes)
 
 
