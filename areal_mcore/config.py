@@ -141,12 +141,17 @@ class ExperimentConfig(InferenceConfig):
             self.launch = dataclasses.replace(launch, allocation=derived)
             return
         alloc = parse_allocation(launch.allocation)
-        ep = self.actor.parallel.ep
-        if alloc.trainer.d % ep:
-            # megatron carves the EP group out of the data-parallel ranks (expert-TP = TP:
-            # actor/parallel.py), so EP must divide DP.
-            raise ValueError(f"actor.parallel.ep={ep} must divide the trainer's data-parallel size "
-                             f"d{alloc.trainer.d} of launch.allocation={launch.allocation!r}")
+        ep, trainer = self.actor.parallel.ep, alloc.trainer
+        if trainer.e != ep:
+            # One EP size, stated twice: the allocation's e (which the planner's expert-DP and
+            # the trainer's GPUs are read from; parse_allocation checked that it divides d) and
+            # the actor's. A missing e is e1, so an EP run must spell it in the allocation.
+            fixed = dataclasses.replace(alloc, trainer=dataclasses.replace(trainer, e=ep))
+            fix = (f"launch.allocation={str(fixed)!r} or " if trainer.d % ep == 0 else
+                   f"a launch.allocation whose d is a multiple of {ep} (e{ep}), or ")
+            raise ValueError(
+                f"launch.allocation={launch.allocation!r} has e{trainer.e} (expert parallelism) but "
+                f"actor.parallel.ep={ep}: they must agree; set {fix}actor.parallel.ep={trainer.e}")
         rollout = alloc.rollout
         if rollout is not None and server is not None and rollout.backend != server.backend:
             raise ValueError(

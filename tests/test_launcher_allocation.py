@@ -81,6 +81,51 @@ def test_a_trainer_only_allocation_is_for_sft_and_the_config_checks_the_pairing(
         load_config("configs/boba_7b.yaml", ["launch.allocation=sglang:d4x+megatron:d1"])
 
 
+def test_expert_parallel_takes_no_gpus_and_places_like_its_dense_layout():
+    # AReaL's semantics: e is carved out of d (megatron's expert-TP x EP x expert-DP x PP over
+    # the TP x DP x PP ranks), so the GPU and node counts are those without e.
+    a = parse_allocation("sglang:d16+megatron:d8t2e4")
+    assert a.trainer == Side("megatron", d=8, t=2, e=4) and a.trainer.gpus == 16
+    assert a.place(nodes=4, gpus_per_node=8) == parse_allocation("sglang:d16+megatron:d8t2").place(4, 8) == (2, 2)
+    assert str(a) == "sglang:d16+megatron:d8t2e4" and str(parse_allocation("megatron:e2d2p2")) == "megatron:d2p2e2"
+    with pytest.raises(AllocationError, match=r"trainer d8 x t2 = 16 GPUs -> 2 node\(s\) of 8 GPUs: 2 \+ 2 = 4 "
+                                              r"nodes, but the allocation has 8"):
+        a.place(nodes=8, gpus_per_node=8)  # e4 does not ask for 4x the GPUs
+
+
+@pytest.mark.parametrize("text,message", [
+    ("sglang:d4e2+megatron:d4e2", "expert parallelism (e2) is a trainer dimension; the rollout servers are "
+                                  "launched with tensor parallelism only (use sglang:d4)"),
+    ("sglang:d4+megatron:d6t2e4", "expert parallelism e4 must divide the data-parallel size d6 (the EP ranks "
+                                  "are carved out of the DP ranks; e adds no GPUs), e.g. megatron:d6t2e2"),
+    ("megatron:d2e4", "e4 must divide the data-parallel size d2"),
+    ("sglang:d4+megatron:d4e0", "sizes are >= 1"),
+])
+def test_expert_parallel_on_the_rollout_side_or_not_dividing_d_is_refused(text, message):
+    with pytest.raises(AllocationError) as e:
+        parse_allocation(text)
+    assert message in str(e.value)
+
+
+def test_the_allocations_e_and_actor_parallel_ep_must_agree_when_the_config_loads():
+    from areal_mcore.config import ConfigError, load_config
+
+    disk = ["weight_sync.mode=disk", "weight_sync.disk_dir=/tmp/x"]  # EP > 1 needs the disk sync
+    cfg = load_config("configs/boba_7b.yaml", [*disk, "actor.parallel.ep=4",
+                                               "launch.allocation=sglang:d16+megatron:d8t2e4"])
+    assert cfg.actor.parallel.ep == 4 and parse_allocation(cfg.launch.allocation).trainer.e == 4
+    with pytest.raises(ConfigError) as e:  # ep without e: e is 1
+        load_config("configs/boba_7b.yaml", [*disk, "actor.parallel.ep=2"])
+    assert ("launch.allocation='sglang:d16+megatron:d8t2' has e1 (expert parallelism) but actor.parallel.ep=2: "
+            "they must agree; set launch.allocation='sglang:d16+megatron:d8t2e2' or actor.parallel.ep=1") in str(e.value)
+    with pytest.raises(ConfigError, match=r"has e2 \(expert parallelism\) but actor.parallel.ep=1"):
+        load_config("configs/boba_7b.yaml", ["launch.allocation=sglang:d16+megatron:d8t2e2"])
+    with pytest.raises(ConfigError, match=r"set a launch.allocation whose d is a multiple of 16 \(e16\), or "
+                                          r"actor.parallel.ep=2"):
+        load_config("configs/boba_7b.yaml", [*disk, "actor.parallel.ep=16",
+                                             "launch.allocation=sglang:d16+megatron:d8t2e2"])
+
+
 def test_sweeps_expand_to_named_runs_and_times_parse():
     from areal_mcore.launcher.submit import _minutes, sweep_overrides
 
@@ -169,3 +214,37 @@ def test_a_trainer_node_execs_torchrun_with_its_rank_and_gloos_interface(tmp_pat
                           f"--master-port={port}", "--nnodes=1", "-m", "areal_mcore.cli", "sft"]
     # gloo (megatron's gloo groups, the control group) binds the interface to the master
     assert env["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+FOUR_NODES = """#!/bin/sh
+# show hostnames X | show node -o X | show job -o ID, as Slurm prints them
+case "$1 $2" in
+  "show hostnames") printf 'gpu1\\ngpu2\\ngpu3\\ngpu4\\n' ;;
+  "show node") echo "NodeName=$4 NodeAddr=$4" ;;
+  "show job") echo "JobId=$4 JobState=RUNNING TimeLimit=UNLIMITED" ;;
+esac
+"""
+
+
+def test_the_qwen3_30b_a3b_launch_gives_the_ep_trainer_two_nodes_of_8_gpus(tmp_path, monkeypatch):
+    """sglang:d8t2+megatron:d8t2e8 on 4 x 8 GPUs: 8 TP-2 servers on 2 nodes, the trainer's 16
+    ranks (EP 8 among its DP 8, no GPUs of its own) on the other 2, 8 per node."""
+    import os
+
+    from areal_mcore.launcher import slurm
+
+    (tmp_path / "scontrol").write_text(FOUR_NODES)
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(os, "environ", {**os.environ, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu[1-4]",
+                                        "SLURM_CPUS_ON_NODE": "96"})
+    launcher = slurm.Launcher("configs/qwen3_30b_a3b.yaml", [f"trainer.log_dir={tmp_path}"])
+    started = []
+    monkeypatch.setattr(slurm, "node_address", lambda node: node)
+    monkeypatch.setattr(slurm.subprocess, "Popen", lambda cmd, env=None: started.append(cmd))
+    assert launcher.alloc.place(len(launcher.job.nodes), 8) == (2, 2)
+    launcher._start_trainer(["gpu3", "gpu4"], ["http://gpu1:1"])
+    cmd = started[0]
+    assert {"--nodes=2", "--nodelist=gpu3,gpu4", "--gpus-per-node=8", "--cpus-per-task=96"} <= set(cmd)
+    assert {"--nnodes=2", "--nproc-per-node=8", "actor.parallel.tp=2"} <= set(cmd)
+    assert "actor.parallel.ep=8" not in cmd  # the config's own, which config load checked against e8

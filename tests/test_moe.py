@@ -313,11 +313,13 @@ def test_moe_expert_parallel_with_the_distributed_weight_sync_is_refused_at_conf
     boba = Path(__file__).parents[1] / "configs" / "boba_7b.yaml"
     with pytest.raises(Exception, match=r"actor.parallel.ep=2 needs weight_sync.mode=disk"):
         load_config(boba, ["actor.parallel.ep=2"])
-    disk = ["actor.parallel.ep=2", "weight_sync.mode=disk", "weight_sync.disk_dir=/tmp/x"]
+    disk = ["actor.parallel.ep=2", "weight_sync.mode=disk", "weight_sync.disk_dir=/tmp/x",
+            "launch.allocation=sglang:d16+megatron:d8t2e2"]  # the allocation's e agrees with ep
     assert load_config(boba, disk).actor.parallel.ep == 2
     # EP is carved out of the data-parallel ranks: it must divide the allocation's d
-    with pytest.raises(Exception, match=r"actor.parallel.ep=2 must divide the trainer's data-parallel size d3"):
-        load_config(boba, [*disk, "launch.allocation=sglang:d16+megatron:d3t2"])
+    # (tests/test_launcher_allocation.py has the rest of the allocation's e)
+    with pytest.raises(Exception, match=r"expert parallelism e2 must divide the data-parallel size d3"):
+        load_config(boba, [*disk, "launch.allocation=sglang:d16+megatron:d3t2e2"])
 
 
 def test_moe_expert_parallel_size_is_checked_against_the_model_folder_before_a_run(tmp_path):

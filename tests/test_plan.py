@@ -17,7 +17,7 @@ from areal_mcore.plan.lengths import Lengths, dump_lengths
 from areal_mcore.plan.memory import GiB, server_plan, stage_params
 from areal_mcore.plan.planner import server_shape
 
-BOBA = ["boba_1.5b", "boba_7b", "boba_32b_ppo", "boba_32b_sft", "qwen3_8b"]
+BOBA = ["boba_1.5b", "boba_7b", "boba_32b_ppo", "boba_32b_sft", "qwen3_8b", "qwen3_30b_a3b"]
 TOO_BIG = ["actor.recompute=false", "actor.parallel.sequence_parallel=false"]
 
 
@@ -157,6 +157,37 @@ def test_plan_lengths_from_a_rollout_dump_and_a_missing_one_named(tmp_path):
     assert make_plan(cfg).server["lengths"].startswith("2 responses")
     with pytest.raises(FileNotFoundError, match="plan.lengths="):
         make_plan(load_config("configs/boba_7b.yaml", [f"plan.lengths={tmp_path / 'none'}"]))
+
+
+def test_qwen3_30b_a3b_is_qwen3_8bs_recipe_and_its_plan_reads_ep_from_the_allocation():
+    moe, dense = load_config("configs/qwen3_30b_a3b.yaml"), load_config("configs/qwen3_8b.yaml")
+    # the algorithm is the boba recipe's, unchanged
+    assert moe.ppo == dense.ppo and moe.actor.optimizer == dense.actor.optimizer and moe.dataset == dense.dataset
+    assert (moe.rollout.n_samples, moe.rollout.max_new_tokens, moe.rollout.temperature, moe.trainer.batch_size) == (
+        dense.rollout.n_samples, dense.rollout.max_new_tokens, dense.rollout.temperature, dense.trainer.batch_size)
+    plan = make_plan(moe)
+    assert plan.architecture == "plan/architectures.py:Qwen3-30B-A3B" and plan.dp == 8 and plan.fits
+    peak = plan.peak
+    # 16 of 128 experts and half of each (TP 2) per rank; the rest split over TP 2
+    args, _ = resolve_architecture(None, "Qwen3-30B-A3B")
+    experts = 48 * 16 * 3 * 2048 * 768 // 2
+    assert peak.terms["weights"] == 2 * stage_params(args, TrainerShape(tp=2, ep=8), 0)
+    assert stage_params(args, TrainerShape(tp=2, ep=8), 0) - stage_params(args, TrainerShape(tp=2, ep=16), 0) == experts // 2
+    # expert-DP is d8 / e8 = 1: the experts' Adam moments are not sharded
+    assert peak.terms["optimizer"] > 8.0 * experts and "(EP 8; their optimizer state over expert-DP 1)" in peak.notes["weights"]
+    assert peak.total / GiB == pytest.approx(54.4, abs=0.05)
+
+
+def test_an_moe_config_that_does_not_fit_is_offered_more_ep_with_the_allocations_e():
+    ep2 = ["actor.parallel.ep=2", "launch.allocation=sglang:d8t2+megatron:d8t2e2"]
+    plan = make_plan(load_config("configs/qwen3_30b_a3b.yaml", ep2))
+    assert not plan.trainer_fits
+    fixes = {tuple(f["overrides"]): f for f in plan.fixes}
+    more_ep = ("actor.parallel.ep=4", "launch.allocation=sglang:d8t2+megatron:d8t2e4")
+    assert fixes[more_ep]["fits"] and fixes[more_ep]["trainer_peak_gib"] < plan.peak.total / GiB
+    assert make_plan(load_config("configs/qwen3_30b_a3b.yaml", [*ep2, *more_ep])).trainer_fits  # as printed
+    # TP/PP fixes shrink d and keep e (it must still divide d)
+    assert ("actor.parallel.tp=4", "launch.allocation=sglang:d8t2+megatron:d4t4e2") in fixes
 
 
 def test_unknown_architecture_names_the_key():

@@ -4,8 +4,17 @@
 megatron trainer with DP 2 x PP 2 x TP 4 (16 GPUs). Letters per side, any order, each at
 most once, missing ones = 1: ``d`` data parallel (servers on the rollout side), ``t``
 tensor, ``p`` pipeline, ``c`` context parallel (trainer only; refused for now: the actor has no
-context parallelism, so ``c`` would silently become data parallelism). The rollout backend is
-``sglang`` or ``embedded`` (the CPU server: its "GPUs" are processes).
+context parallelism, so ``c`` would silently become data parallelism), ``e`` expert parallel
+(trainer only; ``actor.parallel.ep``, which config loading requires to agree). The rollout
+backend is ``sglang``, ``vllm`` or ``embedded`` (the CPU server: its "GPUs" are processes).
+
+``e`` takes no GPUs of its own, as in AReaL's allocation mode ("expert parallelism does not
+increase world size", https://inclusionai.github.io/AReaL/reference/alloc_mode.html): megatron's MoE
+parallel folding lays expert-TP x EP x expert-DP x PP over the same ranks as TP x DP x PP
+(parallel_state.initialize_model_parallel). With expert-TP = TP (actor/parallel.py) the EP
+group is carved out of the data-parallel ranks, so ``e`` must divide ``d``:
+``megatron:d8t2e4`` is 16 GPUs, each expert layer split over 4 EP ranks x 2 TP ranks, its
+optimizer state over d / e = 2 expert-DP ranks.
 
 A trainer-only string (``megatron:d1p4t8``) is for SFT, which needs no servers.
 
@@ -15,6 +24,8 @@ parallelism stays inside a node (it needs NVLink bandwidth).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
@@ -22,8 +33,8 @@ from dataclasses import dataclass
 # imports nothing of the rollout side).
 ROLLOUT_BACKENDS = ("sglang", "embedded", "vllm")
 TRAINERS = ("megatron",)
-_SIDE = re.compile(r"([a-z]+):((?:[dtpc]\d+)*)")
-_DIM = re.compile(r"([dtpc])(\d+)")
+_SIDE = re.compile(r"([a-z]+):((?:[dtpce]\d+)*)")
+_DIM = re.compile(r"([dtpce])(\d+)")
 
 
 class AllocationError(ValueError):
@@ -37,17 +48,18 @@ class Side:
     t: int = 1
     p: int = 1
     c: int = 1
+    e: int = 1  # expert parallel: carved out of d, no GPUs of its own (module docstring)
 
     @property
     def gpus(self) -> int:
-        return self.d * self.t * self.p * self.c
+        return self.d * self.t * self.p * self.c  # not e: the EP ranks are DP ranks
 
     def formula(self) -> str:
         dims = [(k, getattr(self, k)) for k in "dptc" if k == "d" or getattr(self, k) > 1]
         return " x ".join(f"{k}{v}" for k, v in dims) + f" = {self.gpus} GPUs"
 
     def __str__(self) -> str:
-        return f"{self.backend}:" + "".join(f"{k}{getattr(self, k)}" for k in "dptc" if getattr(self, k) > 1
+        return f"{self.backend}:" + "".join(f"{k}{getattr(self, k)}" for k in "dptce" if getattr(self, k) > 1
                                             or k == "d")
 
 
@@ -97,7 +109,7 @@ def parse_allocation(text: str) -> Allocation:
     parts = text.strip().split("+")
     if len(parts) == 1 and parts[0].strip().startswith(TRAINERS):
         trainer = _side(parts[0], text)
-        _refuse_cp(trainer, text)
+        _check_trainer(trainer, text)
         return Allocation(None, trainer)
     if len(parts) != 2:
         raise AllocationError(f"allocation {text!r} must be '<rollout>:<dims>+megatron:<dims>', "
@@ -111,6 +123,12 @@ def parse_allocation(text: str) -> Allocation:
         raise AllocationError(f"allocation {text!r}: trainer {trainer.backend!r} is not one of {list(TRAINERS)}")
     if rollout.c > 1:
         raise AllocationError(f"allocation {text!r}: context parallelism (c) is a trainer dimension")
+    if rollout.e > 1:
+        # The launcher starts each server with server.tp_size only: nothing would pass an
+        # expert-parallel size to SGLang/vLLM, so e would be silently dropped.
+        raise AllocationError(f"allocation {text!r}: expert parallelism (e{rollout.e}) is a trainer "
+                              f"dimension; the rollout servers are launched with tensor parallelism only "
+                              f"(use {dataclasses.replace(rollout, e=1)})")
     if rollout.p > 1:
         # The launcher starts each server with server.tp_size only, on one node: a p2t4
         # server would hold 8 GPUs and use 4, and a server wider than a node needs SGLang's
@@ -119,8 +137,20 @@ def parse_allocation(text: str) -> Allocation:
                               f"are not supported (each server is launched with tensor parallelism "
                               f"only, inside one node); use t and d, e.g. "
                               f"{Side(rollout.backend, d=rollout.d * rollout.p, t=rollout.t)}")
-    _refuse_cp(trainer, text)
+    _check_trainer(trainer, text)
     return Allocation(rollout, trainer)
+
+
+def _check_trainer(trainer: Side, text: str) -> None:
+    _refuse_cp(trainer, text)
+    if trainer.d % trainer.e:
+        # Megatron builds the EP groups inside the data-parallel ranks (expert-TP = TP here):
+        # its expert rank generator needs expert-TP x EP x PP to divide the world
+        # (parallel_state.initialize_model_parallel), i.e. e divides d.
+        raise AllocationError(
+            f"allocation {text!r}: expert parallelism e{trainer.e} must divide the data-parallel size "
+            f"d{trainer.d} (the EP ranks are carved out of the DP ranks; e adds no GPUs), e.g. "
+            f"{dataclasses.replace(trainer, e=math.gcd(trainer.d, trainer.e))}")
 
 
 def _refuse_cp(trainer: Side, text: str) -> None:
@@ -131,14 +161,14 @@ def _refuse_cp(trainer: Side, text: str) -> None:
             f"allocation {text!r}: context parallelism (c{trainer.c}) is not supported yet (the actor "
             f"would need context_parallel_size, sequences split across CP ranks and CP-aware "
             f"logprobs); use tensor parallelism (t) or activation recompute (actor.recompute=true) "
-            f"for long sequences, e.g. {Side(trainer.backend, d=trainer.d, t=trainer.t * trainer.c, p=trainer.p)}")
+            f"for long sequences, e.g. {dataclasses.replace(trainer, t=trainer.t * trainer.c, c=1)}")
 
 
 def _side(part: str, text: str) -> Side:
     m = _SIDE.fullmatch(part.strip())
     if not m:
         raise AllocationError(f"allocation {text!r}: {part!r} is not '<name>:<dims>' with dims like d4t2 "
-                              f"(letters d, t, p, c, each followed by a number)")
+                              f"(letters d, t, p, c, e, each followed by a number)")
     dims: dict[str, int] = {}
     for key, value in _DIM.findall(m.group(2)):
         if key in dims:

@@ -26,12 +26,21 @@ def _qwen3(hidden, layers, heads, kv, head_dim, ffn, vocab, tie):
                 rope_theta=1000000.0, max_position_embeddings=40960)
 
 
+def _qwen3_moe(hidden, layers, heads, kv, head_dim, ffn, vocab, tie, experts, top_k, moe_ffn, norm_topk):
+    return dict(_qwen3(hidden, layers, heads, kv, head_dim, ffn, vocab, tie), model_type="qwen3_moe",
+                num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_ffn,
+                norm_topk_prob=norm_topk, decoder_sparse_step=1, mlp_only_layers=[],
+                router_aux_loss_coef=0.001)
+
+
 KNOWN = {
     "DeepSeek-R1-Distill-Qwen-1.5B": _qwen2(1536, 28, 12, 2, 8960, 151936, False),
     "DeepSeek-R1-Distill-Qwen-7B": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
     "DeepSeek-R1-Distill-Qwen-14B": _qwen2(5120, 48, 40, 8, 13824, 152064, False),
     "DeepSeek-R1-Distill-Qwen-32B": _qwen2(5120, 64, 40, 8, 27648, 152064, False),
     "Qwen3-8B": _qwen3(4096, 36, 32, 8, 128, 12288, 151936, False),
+    # intermediate_size 6144 is unused: every layer is routed (no mlp_only_layers).
+    "Qwen3-30B-A3B": _qwen3_moe(2048, 48, 32, 4, 128, 6144, 151936, False, 128, 8, 768, True),
 }
 
 

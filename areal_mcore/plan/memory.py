@@ -15,8 +15,29 @@ Saved activations per layer and token (elements), as megatron's layers save them
   math SDPA saves q, the GQA-repeated k and v and the output (4q/t) plus one softmax
   matrix per head (Hq/t · L per token, L the token's sequence length), RoPE's cos/sin
   (4·head_dim per token, not sharded), SwiGLU 5f/t.
-MoE layers (Qwen3-MoE): their parameters are counted exactly (``layer_params``), their
-activations are not modelled yet: counted as a dense layer's of f = ``ffn_hidden_size``.
+MoE layers (Qwen3-MoE, megatron-core 0.16.1's MoELayer with the alltoall dispatcher and a
+SequentialMLP, ``moe_permute_fusion`` off): the attention and norms as above, and in place
+of the dense SwiGLU, per routed copy (k = top-k copies of each token, f = the expert width,
+E = experts; balanced routing: a rank's experts receive T·k copies on average, imbalance
+above that is not modelled):
+- the experts' input h: the dispatcher permutes the rank's T/s tokens k times
+  (moe_utils.permute, an index_select), all-to-alls them over EP and, expert-TP being TP,
+  all-gathers them over TP (token_dispatcher.py MoEAlltoAllTokenDispatcher
+  .dispatch_postprocess, gather_from_sequence_parallel_region), so the first expert
+  linear saves T·k rows of the full h (not /s);
+- the expert SwiGLU 4f/t (te) or 5f/t (local), as a dense one, plus f/t: the experts scale
+  their activation output by the routing prob (experts.py SequentialMLP.forward passes
+  the permuted probs to mlp.py MLP.forward as ``per_token_scale``), and that product, not
+  the GLU output, is fc2's input, so both are saved;
+- the prob itself (model dtype, gathered like the tokens), and on the rank's own T/s tokens
+  the permutation's int64 ``sorted_indices`` (saved by the index_select and the combine's
+  scatter_add_, moe_utils.unpermute) and the router's top-k indices (int64) and scores;
+- per token, not per copy: the router's logits [T/s, E] (model dtype; moe_router_dtype
+  unset) and the bool routing map [E, T/s] the permutation's masked_select saves.
+The all-to-all buffers themselves (autograd's all_to_all saves only the split sizes) and
+the permuted copy before the all-to-all are transient, freed when the layer's forward
+returns. Measured on CPU (tests/test_plan_calibration.py): 6f + h + 6 fp32 elements per
+routed copy, linear in k and f.
 Full recompute (megatron ``uniform``, one layer per checkpoint) keeps only each layer's
 input (h/s) and rebuilds one layer at a time in the backward; selective recompute
 (``core_attn``) keeps only the attention inputs and output.
@@ -138,8 +159,9 @@ def _mean_seqlen_weight(shape: TrainerShape) -> float:
     return sum(n * n for n in lens) / sum(lens)
 
 
-def layer_elements(args: ModelArgs, shape: TrainerShape, *, full: bool = False) -> float:
-    """Saved activation elements per token of one layer (``full``: ignore recompute)."""
+def layer_elements(args: ModelArgs, shape: TrainerShape, *, full: bool = False, moe: bool = False) -> float:
+    """Saved activation elements per token of one layer (``full``: ignore recompute;
+    ``moe``: a layer of routed experts instead of the dense SwiGLU)."""
     h, t, s, f = args.hidden_size, shape.tp, shape.s, args.ffn_hidden_size
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     recompute = shape.recompute and not full
@@ -147,10 +169,24 @@ def layer_elements(args: ModelArgs, shape: TrainerShape, *, full: bool = False) 
         return h / s  # the checkpointed layer input
     selective = recompute and shape.recompute_granularity == "selective"
     if shape.path == "te":
+        if moe:
+            return 4 * h / s + (2 * q + 2 * kv) / t + moe_elements(args, shape)
         return 4 * h / s + (2 * q + 2 * kv + 4 * f) / t
     attention = (2 * q + 2 * kv) / t if selective else (
         4 * q / t + args.num_heads / t * _mean_seqlen_weight(shape))
-    return (6 * h + 2) / s + attention + 4 * args.head_dim + 5 * f / t
+    ffn = moe_elements(args, shape) if moe else 5 * f / t
+    return (6 * h + 2) / s + attention + 4 * args.head_dim + ffn
+
+
+def moe_elements(args: ModelArgs, shape: TrainerShape) -> float:
+    """Saved elements (of the model dtype) per token of an MoE layer's router, dispatcher
+    and experts, in place of a dense layer's SwiGLU (module docstring; balanced routing)."""
+    h, t, s, b = args.hidden_size, shape.tp, shape.s, shape.dtype_bytes
+    k, f, experts = args.moe_top_k, args.moe_ffn_hidden_size, args.num_experts
+    swiglu = (5 if shape.path == "te" else 6) * f / t  # the dense SwiGLU's + the prob-scaled output
+    per_copy = h + swiglu + 1 + (8 + 8 + b) / b / s  # + prob; int64 sorted_indices, top-k index, score
+    router = (experts + experts / b) / s  # logits + the bool routing map
+    return k * per_copy + router
 
 
 def head_elements(args: ModelArgs, shape: TrainerShape) -> float:
@@ -168,11 +204,14 @@ def stage_activation_bytes(args: ModelArgs, shape: TrainerShape, stage: int) -> 
     stage, the head) or, with full recompute, the backward of a layer: the checkpoints
     still waiting plus the one layer rebuilt (the head is freed by then)."""
     b, T = shape.dtype_bytes, shape.tokens_per_mb
-    layers = stage_layer_counts(args.num_layers, shape.pp, shape.first_stage_layers,
-                                shape.last_stage_layers)[stage]
+    counts = stage_layer_counts(args.num_layers, shape.pp, shape.first_stage_layers, shape.last_stage_layers)
+    layers, first = counts[stage], sum(counts[:stage])
+    moe_layers = sum(args.is_moe_layer(i) for i in range(first, first + layers))
     window = shape.pp - stage
     in_flight = min(window, shape.n_micro_batches) if shape.n_micro_batches else window
-    per_mb = layers * layer_elements(args, shape) * T * b
+    # A dense model: moe_layers 0, the same product as before MoE layers were modelled.
+    per_mb = ((layers - moe_layers) * layer_elements(args, shape)
+              + moe_layers * layer_elements(args, shape, moe=True)) * T * b
     if stage == 0:
         per_mb += 8 * T  # the embedding's int64 token ids
     forward = in_flight * per_mb
@@ -183,7 +222,10 @@ def stage_activation_bytes(args: ModelArgs, shape: TrainerShape, stage: int) -> 
         logits_grad = T * vp * b  # d logits in the backward, next to the saved logits
     peak = forward + head
     if shape.recompute and shape.recompute_granularity == "full":
-        peak = max(peak, forward + layer_elements(args, shape, full=True) * T * b)
+        rebuilt = layer_elements(args, shape, full=True, moe=moe_layers > 0)  # the widest layer
+        if moe_layers < layers:
+            rebuilt = max(rebuilt, layer_elements(args, shape, full=True))
+        peak = max(peak, forward + rebuilt * T * b)
     note = f"{in_flight} micro-batch(es) of {T} tokens in flight x {layers} layers"
     return peak, logits_grad, note
 
@@ -211,7 +253,10 @@ def trainer_rank(args: ModelArgs, shape: TrainerShape, stage: int) -> RankPlan:
         "weight_sync": float(shape.weight_sync_bytes),
         "margin": float(shape.margin_bytes),
     }
-    notes = {"weights": f"{n / 1e9:.3f} B params", "activations": note + (" + logits" if last else "")}
+    params = f"{n / 1e9:.3f} B params" + (
+        f", {experts / 1e9:.3f} B of them experts (EP {shape.ep}; their optimizer state over "
+        f"expert-DP {max(shape.dp // shape.ep, 1)})" if experts else "")
+    notes = {"weights": params, "activations": note + (" + logits" if last else "")}
     return RankPlan(where=f"trainer stage {stage}", terms=terms, notes=notes)
 
 

@@ -148,6 +148,8 @@ def _candidates(cfg, args: ModelArgs, plan: Plan) -> list[tuple[str, list[tuple[
             out.append(("trainer", [("actor.parallel.pp", 2 * p.pp)]))
         if 2 * p.tp <= 8 and args.num_kv_heads % (2 * p.tp) == 0:
             out.append(("trainer", [("actor.parallel.tp", 2 * p.tp)]))
+        if args.num_experts and args.num_experts % (2 * p.ep) == 0:
+            out.append(("trainer", [("actor.parallel.ep", 2 * p.ep)]))  # fewer experts per rank
     s = plan.server
     if s is not None and not s["fits"]:
         groups = s["sequences_fit_expected"] * s["n_servers"] // cfg.rollout.n_samples
@@ -163,12 +165,19 @@ def fixes(cfg, args: ModelArgs, plan: Plan, gpu_memory_gb: float | None) -> list
     addresses (trainer or rollout server) then fits.
 
     TP/PP changes keep the trainer's GPU count, so DP shrinks with them (launch.allocation
-    is rewritten to match); the other knobs leave the allocation as it is."""
+    is rewritten to match); an EP change rewrites the allocation's e (EP is carved out of
+    DP: the GPUs stay); the other knobs leave the allocation as it is."""
     out = []
     for part, change in _candidates(cfg, args, plan):
-        new = cfg
-        for key, value in change:
-            new = _replace(new, key, value)
+        keys = dict(change)
+        if "actor.parallel.ep" in keys:
+            new = _with_ep(cfg, keys["actor.parallel.ep"])
+            if new is None:
+                continue
+        else:
+            new = cfg
+            for key, value in change:
+                new = _replace(new, key, value)
         if any(k in ("actor.parallel.tp", "actor.parallel.pp") for k, _ in change):
             new = _rescale_allocation(cfg, new)
             if new is None:
@@ -186,6 +195,22 @@ def fixes(cfg, args: ModelArgs, plan: Plan, gpu_memory_gb: float | None) -> list
     return out
 
 
+def _with_ep(cfg, ep: int):
+    """``cfg`` at expert parallelism ``ep``, the allocation's e with it (config loading
+    requires them equal, so both change at once); None where ep cannot divide the
+    allocation's d or the config refuses it (the distributed weight sync at ep > 1)."""
+    alloc = parse_allocation(cfg.launch.allocation)
+    if alloc.trainer.d % ep:
+        return None
+    trainer = dataclasses.replace(alloc.trainer, e=ep)
+    try:
+        return dataclasses.replace(
+            cfg, actor=_replace(cfg.actor, "parallel.ep", ep),
+            launch=dataclasses.replace(cfg.launch, allocation=str(dataclasses.replace(alloc, trainer=trainer))))
+    except ValueError:
+        return None
+
+
 def _rescale_allocation(old, new):
     alloc = parse_allocation(old.launch.allocation)
     t, p = alloc.trainer, old.actor.parallel
@@ -193,10 +218,10 @@ def _rescale_allocation(old, new):
         return new  # DP unknown (1) either way
     n = new.actor.parallel
     gpus = t.gpus
-    if gpus % (n.tp * n.pp):
-        return None
-    trainer = f"megatron:d{gpus // (n.tp * n.pp)}" + (f"p{n.pp}" if n.pp > 1 else "") + (f"t{n.tp}" if n.tp > 1 else "")
-    text = f"{alloc.rollout}+{trainer}" if alloc.rollout else trainer
+    if gpus % (n.tp * n.pp) or (gpus // (n.tp * n.pp)) % t.e:
+        return None  # the GPUs do not tile, or EP (carved out of DP) no longer divides DP
+    trainer = dataclasses.replace(t, d=gpus // (n.tp * n.pp), t=n.tp, p=n.pp)
+    text = f"{alloc.rollout}+{trainer}" if alloc.rollout else str(trainer)
     return _replace(new, "launch.allocation", text)
 
 
