@@ -103,12 +103,6 @@ class ExperimentConfig(InferenceConfig):
         if self.trainer is not None and self.rollout is not None and self.rollout.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.rollout.temperature} must be > 0 for training: "
                              "the actor scores tokens at the sampling temperature")
-        if self.actor.parallel.ep > 1 and self.trainer is not None and self.weight_sync.mode == "distributed":
-            # Each EP rank of replica 0 holds some experts, but the distributed sync gathers
-            # only over TP inside replica 0 (weight_sync/distributed.py, distributed_roles);
-            # the disk export gathers every expert (MegatronActor.hf_state_dict).
-            raise ValueError(f"actor.parallel.ep={self.actor.parallel.ep} needs weight_sync.mode=disk: the "
-                             "distributed weight sync does not gather experts over expert parallelism yet")
         self._check_reward_groups()
         self._resolve_loss_norm_tokens()
         self._check_overlong_penalty()

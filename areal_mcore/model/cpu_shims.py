@@ -281,6 +281,8 @@ def _uneven_gather_on_gloo() -> None:
     # The layer's autograd function calls the module global (0.16 and 0.19), replaced here.
     from megatron.core.tensor_parallel import mappings
 
+    from areal_mcore import collectives
+
     original = mappings._gather_along_first_dim
 
     @functools.wraps(original)
@@ -290,8 +292,7 @@ def _uneven_gather_on_gloo() -> None:
         longest = max(output_split_sizes)
         padded = input_.new_zeros((longest, *input_.shape[1:]))
         padded[: input_.shape[0]] = input_
-        parts = [torch.empty_like(padded) for _ in output_split_sizes]
-        torch.distributed.all_gather(parts, padded, group=group)
+        parts = collectives.all_gather(padded, group)
         return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes, strict=True)])
 
     mappings._gather_along_first_dim = gather

@@ -37,6 +37,7 @@ import time
 import uuid
 
 import torch
+import torch.distributed as dist
 
 from areal_mcore import collectives
 from areal_mcore.devices import inherit_device
@@ -51,10 +52,20 @@ from areal_mcore.weight_sync.transport import open_group
 
 
 def distributed_roles(g) -> Roles:
-    """Replica 0 takes part (the others hold the same weights); each stage's head sends."""
-    sender = g.dp_rank == 0 and g.tp_rank == 0
-    return Roles(participates=g.dp_rank == 0, sender=sender, coordinator=sender and g.pp_rank == 0,
-                 group=g.mp)
+    """Replica 0 takes part (the others hold the same weights); each stage's head sends.
+
+    With expert parallelism a replica's experts are spread over EP ranks that are other
+    data-parallel ranks: the ranks of expert-data-parallel rank 0 (one whole copy of the
+    model, experts included: megatron's expert-TP x EP x PP group) take part, and the
+    head of EP rank 0 sends. At EP=1 these are replica 0's TP x PP ranks."""
+    if g.ep_size == 1:
+        sender = g.dp_rank == 0 and g.tp_rank == 0
+        return Roles(participates=g.dp_rank == 0, sender=sender, coordinator=sender and g.pp_rank == 0,
+                     group=g.mp)
+    participates = g.expert_dp_rank == 0
+    sender = participates and g.ep_rank == 0 and g.tp_rank == 0
+    return Roles(participates=participates, sender=sender, coordinator=sender and g.pp_rank == 0,
+                 group=g.expert_mp)
 
 
 class DistributedSync(Syncer):
@@ -65,11 +76,6 @@ class DistributedSync(Syncer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.g.ep_size > 1:
-            # Replica 0 alone takes part (distributed_roles), and it holds only its EP rank's
-            # experts; their EP peers are other data-parallel replicas.
-            raise ValueError(f"actor.parallel.ep={self.g.ep_size} needs weight_sync.mode=disk: the distributed "
-                             "weight sync does not gather experts over expert parallelism yet")
         self._plan: SyncPlan | None = None
         self._group = None  # this stage head's end of its update group (transport.py)
         self._spec = None  # its GroupSpec (what the servers' bucket requests name)
@@ -110,7 +116,7 @@ class DistributedSync(Syncer):
         shapes = {n: p.shape for n, p in adapter.module_weights(self.actor.model.module).items()}
         if self._plan is None or self._plan.key != plan_key(shapes):
             self._plan = make_plan(shapes, self.actor.args, tp_size=self.g.tp_size,
-                                   pp_rank=self.g.pp_rank, pp_size=self.g.pp_size,
+                                   pp_rank=self.g.pp_rank, pp_size=self.g.pp_size, ep_size=self.g.ep_size,
                                    dtype=self.cfg.dtype, bucket_bytes=int(self.cfg.bucket_mb * 2**20))
         return self._plan
 
@@ -327,31 +333,38 @@ class DistributedSync(Syncer):
         """The stage head's bucket ``i``, ready to send (its TP peers collect it with it)."""
         return self._pack(plan, i, self._collect(plan, i, stats), stats)
 
-    def _collect(self, plan: SyncPlan, i: int, stats: SyncStats) -> list[dict[str, torch.Tensor]]:
-        """Bucket ``i``'s megatron tensors of every TP rank (an all-gather over TP)."""
+    def _collect(self, plan: SyncPlan, i: int, stats: SyncStats) -> list[list[torch.Tensor]]:
+        """Bucket ``i``'s megatron tensors of every TP rank, per unit (an all-gather over
+        TP). An expert unit of another EP rank first comes from that rank: its owner
+        broadcasts its shard over the EP group, every TP rank its own (local expert names
+        are the same on every EP rank, each for other global experts)."""
         t0 = time.perf_counter()
         g, weights = self.g, adapter.module_weights(self.actor.model.module)
-        names = [u.mcore for u in plan.buckets[i]]
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(g.tp_size)]
-        for name in names:
-            local = weights[name].detach()
-            if g.tp_size == 1:
-                shards[0][name] = local
-                continue
-            parts = collectives.all_gather(local, g.tp)
+        shards: list[list[torch.Tensor]] = [[] for _ in range(g.tp_size)]
+        for unit in plan.buckets[i]:
+            local = weights[unit.mcore].detach()
+            if unit.ep_rank is not None and g.ep_size > 1:
+                owned = local if unit.ep_rank == g.ep_rank else torch.empty_like(local)
+                local = collectives.broadcast(owned, dist.get_global_rank(g.ep, unit.ep_rank), g.ep)
+            parts = [local] if g.tp_size == 1 else collectives.all_gather(local, g.tp)
             for r in range(g.tp_size):
-                shards[r][name] = parts[r]
+                shards[r].append(parts[r])
         stats.gather_s += time.perf_counter() - t0
         return shards
 
-    def _pack(self, plan: SyncPlan, i: int, shards: list[dict[str, torch.Tensor]],
+    def _pack(self, plan: SyncPlan, i: int, shards: list[list[torch.Tensor]],
               stats: SyncStats) -> list[torch.Tensor]:
         """Bucket ``i`` in HF names and layout, in the rollout dtype, as it goes on the wire."""
         t1 = time.perf_counter()
-        g, names = self.g, [u.mcore for u in plan.buckets[i]]
-        # Views where the HF layout allows (TP=1): pack_bucket copies each tensor once.
-        hf = adapter.to_hf(shards, self.actor.args, pp_rank=g.pp_rank, pp_size=g.pp_size,
-                           only=set(names), contiguous=False)
+        g, hf = self.g, {}
+        # One conversion per EP rank the bucket's experts come from (its global names).
+        for source in {u.ep_rank for u in plan.buckets[i]}:
+            picked = [k for k, u in enumerate(plan.buckets[i]) if u.ep_rank == source]
+            # Views where the HF layout allows (TP=1): pack_bucket copies each tensor once.
+            hf.update(adapter.to_hf([{plan.buckets[i][k].mcore: tp[k] for k in picked} for tp in shards],
+                                    self.actor.args, pp_rank=g.pp_rank, pp_size=g.pp_size,
+                                    only={plan.buckets[i][k].mcore for k in picked}, contiguous=False,
+                                    ep_rank=source or 0, ep_size=g.ep_size))
         order, shapes = plan.bucket_meta(i)
         # Two buffers: bucket i + 1 is filled while bucket i is on the wire.
         payload = pack_bucket(self._buffers[i % 2], [hf[n] for n in order], shapes,
