@@ -135,6 +135,12 @@ class ActorConfig:
     # Fused vocab-parallel logprob (kernels/logprob.py): "auto" is Triton on GPU with
     # triton installed, the chunked torch path otherwise; both give the same numbers.
     logprob_kernel: str = "auto"
+    # MoE routing replay: every forward of the actor (logprob recompute, train) routes each
+    # token to the experts the rollout engine chose for it (the batch's routed_experts
+    # field, from vLLM's --enable-return-routed-experts or the embedded server), through
+    # megatron's RouterReplay (actor/router_replay.py). MoE models only (refused for a
+    # dense one). Without the field the routers choose as usual (docs/models.md).
+    router_replay: bool = False
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, DTYPES)
@@ -146,3 +152,8 @@ class ActorConfig:
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise FieldError("overlap_param_gather", "=true needs overlap_grad_reduce=true (megatron's rule)")
         check_positive("vocab_divisible_by", self.vocab_divisible_by)
+        if self.router_replay and self.recompute and self.parallel.pp > 1:
+            # megatron's REPLAY_FORWARD re-reads the last target in the recomputed forward;
+            # with pp > 1 several micro-batches are in flight (1F1B), so it would be another's.
+            raise FieldError("router_replay", "=true with recompute=true needs parallel.pp=1: the recomputed "
+                             "forward would replay another micro-batch's experts")

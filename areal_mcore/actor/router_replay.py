@@ -1,0 +1,120 @@
+"""Routing replay for MoE: the actor's routers use the experts the rollout engine chose.
+
+Shape legend: T = tokens of a packed micro-batch (padding included), Tl = the tokens this
+rank's routers see (T / tp under sequence parallelism, else T), L = MoE layers of the
+whole model, Ll = those of this pipeline stage, K = top_k.
+
+Built on megatron-core's own mechanism (transformer/moe/router_replay.py, ``RouterReplay``;
+0.16.1 and 0.19.2 alike): with ``TransformerConfig.moe_enable_routing_replay`` every
+``TopKRouter`` owns a ``RouterReplay`` (router.py, ``TopKRouter.__init__``), and the top-k of
+its score function goes through ``RouterReplay.get_replay_topk`` (moe_utils.py,
+``topk_softmax_with_capacity`` in 0.16.1, ``topk_routing_with_score_function`` in 0.19.2).
+``REPLAY_FORWARD`` takes the target indices and gathers the router's scores at them (so the
+gate weights of the replayed experts keep their gradient); ``RECORD`` keeps the router's
+own top-k. We address each router's instance directly rather than megatron's class-wide
+list (``RouterReplay.global_router_replay_instances``), which also holds the routers of
+every other model built in the process (the frozen reference model, earlier actors).
+
+The routing field is vLLM's ``routed_experts`` laid per token: row t holds the experts token
+t was routed to in each MoE layer, -1 where the engine returned none (the last token of a
+sequence: it was sampled, never forwarded). Such rows, and padding, replay experts
+0..K-1: their outputs feed no logprob (a causal model's last position predicts past the
+sequence), and megatron's dispatcher needs K distinct experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+FIELD = "routed_experts"
+
+
+class _RecordingReplay(RouterReplay):
+    """megatron's ``RouterReplay`` that also records the router's own top-k while it
+    replays, so the train-vs-rollout disagreement is measured with replay on as well
+    (megatron's ``REPLAY_FORWARD`` computes no top-k of its own)."""
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+            with torch.no_grad():
+                _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            self.record_indices(own)
+        return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+
+
+def stage_routers(module: torch.nn.Module) -> list[RouterReplay]:
+    """This stage's MoE layers' replay handles, in layer order, each made a recording one
+    (once). Empty for a dense model or one built without ``moe_enable_routing_replay``."""
+    out = []
+    for m in module.modules():
+        if isinstance(m, TopKRouter) and getattr(m, "router_replay", None) is not None:
+            if not isinstance(m.router_replay, _RecordingReplay):
+                m.router_replay = _RecordingReplay()
+            out.append(m.router_replay)
+    return out
+
+
+def stage_moe_slice(moe_layers_before: int, routers: list[RouterReplay]) -> slice:
+    """Which of the model's L MoE layers (the field's dim 1) are this stage's routers."""
+    return slice(moe_layers_before, moe_layers_before + len(routers))
+
+
+def local_tokens(x_T: torch.Tensor, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
+    """The rows this TP rank's routers see: under sequence parallelism the MoE layer's input
+    is the rank's contiguous 1/tp of the tokens (the router runs before the dispatcher
+    gathers them, moe_layer.py ``MoELayer.route``); otherwise all of them."""
+    if not sequence_parallel or tp_size == 1:
+        return x_T
+    n = x_T.shape[0] // tp_size
+    return x_T[tp_rank * n:(tp_rank + 1) * n]
+
+
+def replayable(experts_TLK: torch.Tensor) -> torch.Tensor:
+    """int64 targets with rows lacking a real routing (-1, padding's zeros: not K distinct
+    experts) replaced by 0..K-1."""
+    e = experts_TLK.long()
+    k = e.shape[-1]
+    s = e.sort(-1).values
+    ok = (s[..., 0] >= 0) & ((s[..., 1:] != s[..., :-1]).all(-1) if k > 1 else True)
+    return torch.where(ok[..., None], e, torch.arange(k, device=e.device))
+
+
+def start(routers: list[RouterReplay], experts_TlLlK: torch.Tensor | None, replay: bool) -> None:
+    """Arms this stage's routers for one forward: replay ``experts`` (when ``replay``) or
+    record the routers' own top-k (when there is a rollout routing to compare with)."""
+    for i, r in enumerate(routers):
+        r.clear_indices()
+        if experts_TlLlK is not None and replay:
+            r.set_target_indices(replayable(experts_TlLlK[:, i]))
+            r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        elif experts_TlLlK is not None:
+            r.set_router_replay_action(RouterReplayAction.RECORD)
+        else:
+            r.clear_router_replay_action()
+
+
+def stop(routers: list[RouterReplay]) -> None:
+    """Back to the router's own top-k, nothing held."""
+    for r in routers:
+        r.clear_indices()
+        r.clear_router_replay_action()
+
+
+def disagreement_counts(routers: list[RouterReplay], experts_TlLlK: torch.Tensor,
+                        real_Tl: torch.Tensor) -> torch.Tensor:
+    """[differing, compared] (float64, on the device, no host sync): the (token, MoE layer)
+    entries whose recorded top-k set differs from the rollout's, over real tokens whose
+    rollout row holds a routing (no -1)."""
+    out = torch.zeros(2, dtype=torch.float64, device=experts_TlLlK.device)
+    for i, r in enumerate(routers):
+        own = r.get_recorded_indices()
+        if own is None:
+            continue
+        want = experts_TlLlK[:, i].long()
+        has = real_Tl & (want >= 0).all(-1)
+        differs = (own.sort(-1).values != want.sort(-1).values).any(-1)
+        out[0] += (differs & has).sum()
+        out[1] += has.sum()
+    return out

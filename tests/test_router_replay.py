@@ -1,0 +1,185 @@
+"""Routing replay (actor.router_replay) and the router disagreement stat, against transformers.
+
+The tiny Qwen3-MoE (tests/_tiny_model.py) in a real MegatronActor at TP=2 (sequence
+parallel: each rank's routers see half the tokens) and at PP=2 (each stage its own MoE
+layers), 2 gloo ranks, one launch per layout. The routing field is laid out as vLLM returns
+it (``routed_experts``: [tokens - 1, MoE layers, top_k], the last token never forwarded, -1
+there). "own" is transformers' router top-k of each sequence, which the actor's routers
+reproduce; "perturbed" shifts the experts of a known third of the (token, layer) entries.
+"""
+
+import functools
+
+import pytest
+import torch
+from _actor_setup import VOCAB
+from _dist import run_gloo
+from _tiny_model import eval_seqs, hf_seq_logprobs, tiny_model
+
+from areal_mcore.packing import pack
+
+ARCH = "qwen3_moe"
+FIELD = "routed_experts"
+
+
+def _hf_routing(model, seq: torch.Tensor) -> torch.Tensor:
+    """transformers' top-k experts of ``seq`` per MoE layer, [n, layers, K], -1 on the last
+    token (vLLM's rows stop one short: its last token was sampled, never forwarded)."""
+    with torch.no_grad():
+        logits = model(seq[None], output_router_logits=True).router_logits  # per MoE layer [n, E]
+    k = model.config.num_experts_per_tok
+    out = torch.stack([lg.topk(k, dim=-1).indices for lg in logits], dim=1)
+    out[-1] = -1
+    return out
+
+
+def _perturbed(routing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts + 1 (mod 8) where (token + layer) % 3 == 0 (a different set: {a, b} and
+    {a+1, b+1} never coincide for 2 of 8), and the mask of those entries."""
+    n, layers, _ = routing.shape
+    t, ell = torch.meshgrid(torch.arange(n), torch.arange(layers), indexing="ij")
+    hit = ((t + ell) % 3 == 0) & (routing >= 0).all(-1)
+    return torch.where(hit[..., None], (routing + 1) % 8, routing), hit
+
+
+@functools.cache
+def _routings():
+    _, _, hf = tiny_model(ARCH, vocab=VOCAB)
+    own = [_hf_routing(hf, s) for s in eval_seqs(VOCAB)]
+    pert = [_perturbed(r) for r in own]
+    return own, [p for p, _ in pert], [h for _, h in pert]
+
+
+def _forced_hf_logprobs(forced: list[torch.Tensor]) -> torch.Tensor:
+    """transformers' logprobs with each sequence's experts forced to ``forced`` (the
+    reference for a replay): its router's own softmax, gathered at the forced experts and
+    renormalised as Qwen3MoeTopKRouter.forward renormalises its top-k (norm_topk_prob)."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    _, _, hf = tiny_model(ARCH, vocab=VOCAB)
+    gates = {id(layer.mlp.gate): i for i, layer in enumerate(x for x in hf.model.layers if hasattr(x.mlp, "gate"))}
+    current = {}
+
+    def forward(self, hidden_states):
+        h = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(h, self.weight)
+        probs = logits.softmax(-1, dtype=torch.float)
+        idx = current["experts"][:, gates[id(self)]].clone()
+        idx[idx < 0] = torch.topk(probs, self.top_k, dim=-1).indices[idx < 0]  # last token: its own
+        val = probs.gather(1, idx)
+        val = val / val.sum(-1, keepdim=True) if self.norm_topk_prob else val
+        return logits, val.to(logits.dtype), idx
+
+    out = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(m.Qwen3MoeTopKRouter, "forward", forward)
+        for s, f in zip(eval_seqs(VOCAB), forced, strict=True):
+            current["experts"] = f
+            out.append(hf_seq_logprobs(hf, [s]))
+    return torch.cat(out)
+
+
+def _worker(rank, world, tp, pp, own, pert):
+    from _actor_setup import tiny_actor
+
+    actor = tiny_actor(tp=tp, pp=pp, arch=ARCH)
+    seqs = eval_seqs(VOCAB)
+    out = {}
+
+    def run(name, routing):
+        fields = {} if routing is None else {FIELD: routing}
+        out[name] = (actor.compute_logprobs(pack(seqs, fields)), actor.router_disagreement)
+
+    run("plain", None)
+    run("own", own)
+    run("pert", pert)
+    actor.cfg.router_replay = True  # read at every forward
+    run("replay_own", own)
+    run("replay_pert", pert)
+
+    def mean_logp(logp, mb, tokens, seqs):  # the exact token mean of the train forward's logprobs
+        return (logp * mb.fields["loss_mask"]).sum() / tokens, {}
+
+    mask = [torch.ones(len(s), dtype=torch.bool) for s in seqs]
+    out["train_pert"] = actor.train_batch(pack(seqs, {FIELD: pert, "loss_mask": mask}), mean_logp)["loss"][0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def run():
+    cache = {}
+
+    def get(tp, pp):
+        if (tp, pp) not in cache:
+            own, pert, _ = _routings()
+            cache[tp, pp] = run_gloo(_worker, 2, tp, pp, own, pert)
+        return cache[tp, pp]
+    return get
+
+
+LAYOUTS = pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+
+
+@pytest.mark.multirank
+@LAYOUTS
+def test_replaying_the_actors_own_routing_leaves_logprobs_unchanged(run, tp, pp):
+    for r in run(tp, pp):
+        plain = r["plain"][0]
+        assert (r["replay_own"][0] - plain).abs().max() <= 1e-6
+        assert (plain - hf_seq_logprobs(tiny_model(ARCH, vocab=VOCAB)[2], eval_seqs(VOCAB))).abs().max() <= 1e-4
+
+
+@pytest.mark.multirank
+@LAYOUTS
+def test_replaying_another_routing_equals_transformers_forced_to_it(run, tp, pp):
+    """The replayed logprobs move (by far more than the tolerance) and equal transformers'
+    with its routers forced to the same experts; without replay the field changes nothing.
+    The train forward replays too: its token-mean logprob is the replayed one."""
+    _, pert, _ = _routings()
+    want = _forced_hf_logprobs(pert)
+    for r in run(tp, pp):
+        plain, replayed = r["plain"][0], r["replay_pert"][0]
+        assert (replayed - plain).abs().max() > 1e-2
+        assert (replayed - want).abs().max() <= 1e-4
+        assert torch.equal(r["pert"][0], plain)
+        assert abs(r["train_pert"] - float(replayed.sum()) / replayed.numel()) <= 1e-5
+
+
+@pytest.mark.multirank
+@LAYOUTS
+def test_router_disagreement_is_zero_for_own_routing_and_the_perturbed_fraction(run, tp, pp):
+    """Counted over (token, MoE layer) entries with a rollout routing (the last token of each
+    sequence has none), with replay off and on; None without the field."""
+    _, _, hits = _routings()
+    n = sum(h.shape[0] - 1 for h in hits) * hits[0].shape[1]
+    want = float(sum(h.sum() for h in hits)) / n
+    assert 0.3 <= want <= 0.35
+    for r in run(tp, pp):
+        assert r["plain"][1] is None
+        assert r["own"][1] == 0.0 and r["replay_own"][1] == 0.0
+        assert r["pert"][1] == pytest.approx(want, abs=1e-9)
+
+
+def test_router_replay_is_refused_for_a_dense_model_naming_the_key(tmp_path):
+    from areal_mcore.actor.config import (
+        ActorConfig,
+        MicroBatchSpec,
+        OptimizerConfig,
+        ParallelConfig,
+    )
+    from areal_mcore.checks import FieldError
+    from areal_mcore.model.args import ModelArgs, check_model_folder, check_router_replay
+
+    dense, _, _ = tiny_model("qwen3", vocab=VOCAB)
+    msg = r"actor.router_replay=true: qwen3 is a dense model \(no experts to route\); set actor.router_replay=false"
+    with pytest.raises(ValueError, match=msg):
+        check_router_replay(ModelArgs.from_hf(dense), True)
+    dense.save_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match=msg):
+        check_model_folder("model_path", str(tmp_path / "dense"), 1, True)
+    check_model_folder("model_path", str(tmp_path / "dense"), 1, False)
+    moe, _, _ = tiny_model(ARCH, vocab=VOCAB)
+    check_router_replay(ModelArgs.from_hf(moe), True)
+    with pytest.raises(FieldError, match="router_replay=true with recompute=true needs parallel.pp=1"):
+        ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=8), optimizer=OptimizerConfig(lr=1.0),
+                    parallel=ParallelConfig(pp=2), recompute=True, router_replay=True)
