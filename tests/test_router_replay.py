@@ -96,6 +96,7 @@ def _worker(rank, world, tp, pp, own, pert):
     actor.cfg.router_replay = True  # read at every forward
     run("replay_own", own)
     run("replay_pert", pert)
+    run("replay_none", [-torch.ones_like(r) for r in own])  # a rollout without routing: the routers' own
 
     def mean_logp(logp, mb, tokens, seqs):  # the exact token mean of the train forward's logprobs
         return (logp * mb.fields["loss_mask"]).sum() / tokens, {}
@@ -126,6 +127,7 @@ def test_replaying_the_actors_own_routing_leaves_logprobs_unchanged(run, tp, pp)
     for r in run(tp, pp):
         plain = r["plain"][0]
         assert (r["replay_own"][0] - plain).abs().max() <= 1e-6
+        assert torch.equal(r["replay_none"][0], plain) and r["replay_none"][1] is None
         assert (plain - hf_seq_logprobs(tiny_model(ARCH, vocab=VOCAB)[2], eval_seqs(VOCAB))).abs().max() <= 1e-4
 
 

@@ -17,9 +17,9 @@ every other model built in the process (the frozen reference model, earlier acto
 
 The routing field is vLLM's ``routed_experts`` laid per token: row t holds the experts token
 t was routed to in each MoE layer, -1 where the engine returned none (the last token of a
-sequence: it was sampled, never forwarded). Such rows, and padding, replay experts
-0..K-1: their outputs feed no logprob (a causal model's last position predicts past the
-sequence), and megatron's dispatcher needs K distinct experts per token.
+sequence: it was sampled, never forwarded; a sample whose routing was lost). Those rows, and
+padding, keep the router's own top-k: megatron replays one index tensor for all tokens, so
+``_RecordingReplay`` merges the two before megatron gathers the scores.
 """
 
 from __future__ import annotations
@@ -32,16 +32,30 @@ FIELD = "routed_experts"
 
 
 class _RecordingReplay(RouterReplay):
-    """megatron's ``RouterReplay`` that also records the router's own top-k while it
-    replays, so the train-vs-rollout disagreement is measured with replay on as well
-    (megatron's ``REPLAY_FORWARD`` computes no top-k of its own)."""
+    """megatron's ``RouterReplay`` that, while it replays, also records the router's own
+    top-k (so the train-vs-rollout disagreement is measured with replay on as well:
+    megatron's ``REPLAY_FORWARD`` computes none) and keeps the router's own choice for the
+    rows the rollout has no routing for (see ``has_routing``)."""
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
             with torch.no_grad():
                 _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             self.record_indices(own)
+            target = self.target_topk_idx.to(scores.device)
+            self.target_topk_idx = torch.where(has_routing(target)[:, None], target, own)
         return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+
+
+def has_routing(experts_TK: torch.Tensor) -> torch.Tensor:
+    """[T] bool: rows that are a routing, K distinct experts >= 0. Not: -1 (the engine
+    returned none: a sequence's last token, a sample without routing) and padding's zeros
+    (with K > 1; at K = 1 padding replays expert 0, which only padding's masked outputs see)."""
+    s = experts_TK.sort(-1).values
+    ok = s[:, 0] >= 0
+    if s.shape[-1] > 1:
+        ok &= (s[:, 1:] != s[:, :-1]).all(-1)
+    return ok
 
 
 def stage_routers(module: torch.nn.Module) -> list[RouterReplay]:
@@ -71,23 +85,13 @@ def local_tokens(x_T: torch.Tensor, tp_rank: int, tp_size: int, sequence_paralle
     return x_T[tp_rank * n:(tp_rank + 1) * n]
 
 
-def replayable(experts_TLK: torch.Tensor) -> torch.Tensor:
-    """int64 targets with rows lacking a real routing (-1, padding's zeros: not K distinct
-    experts) replaced by 0..K-1."""
-    e = experts_TLK.long()
-    k = e.shape[-1]
-    s = e.sort(-1).values
-    ok = (s[..., 0] >= 0) & ((s[..., 1:] != s[..., :-1]).all(-1) if k > 1 else True)
-    return torch.where(ok[..., None], e, torch.arange(k, device=e.device))
-
-
 def start(routers: list[RouterReplay], experts_TlLlK: torch.Tensor | None, replay: bool) -> None:
     """Arms this stage's routers for one forward: replay ``experts`` (when ``replay``) or
     record the routers' own top-k (when there is a rollout routing to compare with)."""
     for i, r in enumerate(routers):
         r.clear_indices()
         if experts_TlLlK is not None and replay:
-            r.set_target_indices(replayable(experts_TlLlK[:, i]))
+            r.set_target_indices(experts_TlLlK[:, i].long())
             r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         elif experts_TlLlK is not None:
             r.set_router_replay_action(RouterReplayAction.RECORD)
@@ -105,15 +109,15 @@ def stop(routers: list[RouterReplay]) -> None:
 def disagreement_counts(routers: list[RouterReplay], experts_TlLlK: torch.Tensor,
                         real_Tl: torch.Tensor) -> torch.Tensor:
     """[differing, compared] (float64, on the device, no host sync): the (token, MoE layer)
-    entries whose recorded top-k set differs from the rollout's, over real tokens whose
-    rollout row holds a routing (no -1)."""
+    entries whose recorded top-k set differs from the rollout's, over real (not padding)
+    tokens whose rollout row holds a routing."""
     out = torch.zeros(2, dtype=torch.float64, device=experts_TlLlK.device)
     for i, r in enumerate(routers):
         own = r.get_recorded_indices()
         if own is None:
             continue
         want = experts_TlLlK[:, i].long()
-        has = real_Tl & (want >= 0).all(-1)
+        has = real_Tl & has_routing(want)
         differs = (own.sort(-1).values != want.sort(-1).values).any(-1)
         out[0] += (differs & has).sum()
         out[1] += has.sum()
