@@ -3,7 +3,7 @@
 The tiny Qwen3-MoE (tests/_tiny_model.py) in a real MegatronActor at TP=2 (sequence
 parallel: each rank's routers see half the tokens) and at PP=2 (each stage its own MoE
 layers), 2 gloo ranks, one launch per layout. The routing field is laid out as vLLM returns
-it (``routed_experts``: [tokens - 1, MoE layers, top_k], the last token never forwarded, -1
+it (``routed_experts``: [tokens - 1, layers, top_k], the last token never forwarded, -1
 there). "own" is transformers' router top-k of each sequence, which the actor's routers
 reproduce; "perturbed" shifts the experts of a known third of the (token, layer) entries.
 """
@@ -20,15 +20,18 @@ from areal_mcore.packing import pack
 
 ARCH = "qwen3_moe"
 FIELD = "routed_experts"
+MOE_LAYERS = [0, 1, 3]  # layer 2 is dense (mlp_only_layers)
 
 
 def _hf_routing(model, seq: torch.Tensor) -> torch.Tensor:
-    """transformers' top-k experts of ``seq`` per MoE layer, [n, layers, K], -1 on the last
-    token (vLLM's rows stop one short: its last token was sampled, never forwarded)."""
+    """transformers' top-k experts of ``seq`` in the engines' layout, [n, num_layers, K]:
+    -1 on the last token (the engines' rows stop one short: it was sampled, never
+    forwarded), and 7s in the dense layer (the engines leave it unset; it must be ignored)."""
     with torch.no_grad():
         logits = model(seq[None], output_router_logits=True).router_logits  # per MoE layer [n, E]
     k = model.config.num_experts_per_tok
-    out = torch.stack([lg.topk(k, dim=-1).indices for lg in logits], dim=1)
+    out = torch.full((len(seq), model.config.num_hidden_layers, k), 7)
+    out[:, MOE_LAYERS] = torch.stack([lg.topk(k, dim=-1).indices for lg in logits], dim=1)
     out[-1] = -1
     return out
 
@@ -39,6 +42,7 @@ def _perturbed(routing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, layers, _ = routing.shape
     t, ell = torch.meshgrid(torch.arange(n), torch.arange(layers), indexing="ij")
     hit = ((t + ell) % 3 == 0) & (routing >= 0).all(-1)
+    hit[:, 2] = False  # the dense layer's entries are not routings
     return torch.where(hit[..., None], (routing + 1) % 8, routing), hit
 
 
@@ -64,7 +68,7 @@ def _forced_hf_logprobs(forced: list[torch.Tensor]) -> torch.Tensor:
         h = hidden_states.reshape(-1, self.hidden_dim)
         logits = torch.nn.functional.linear(h, self.weight)
         probs = logits.softmax(-1, dtype=torch.float)
-        idx = current["experts"][:, gates[id(self)]].clone()
+        idx = current["experts"][:, MOE_LAYERS[gates[id(self)]]].clone()
         idx[idx < 0] = torch.topk(probs, self.top_k, dim=-1).indices[idx < 0]  # last token: its own
         val = probs.gather(1, idx)
         val = val / val.sum(-1, keepdim=True) if self.norm_topk_prob else val
@@ -153,7 +157,7 @@ def test_router_disagreement_is_zero_for_own_routing_and_the_perturbed_fraction(
     """Counted over (token, MoE layer) entries with a rollout routing (the last token of each
     sequence has none), with replay off and on; None without the field."""
     _, _, hits = _routings()
-    n = sum(h.shape[0] - 1 for h in hits) * hits[0].shape[1]
+    n = sum(h.shape[0] - 1 for h in hits) * len(MOE_LAYERS)
     want = float(sum(h.sum() for h in hits)) / n
     assert 0.3 <= want <= 0.35
     for r in run(tp, pp):

@@ -108,12 +108,11 @@ class MegatronActor:
         self.config.no_sync_func = self.model.no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
         self._fb = get_forward_backward_func()
-        # MoE layers before this stage: the stage's routers read that slice of the
-        # routed_experts field's layer dim.
+        # This stage's MoE layers (global indices): its routers, in order, read those
+        # columns of the routed_experts field [T, num_layers, K].
         counts = stage_layer_counts(self.args.num_layers, g.pp_size, p.first_stage_layers, p.last_stage_layers)
         first = sum(counts[:g.pp_rank])
-        self._moe_before = sum(self.args.is_moe_layer(i) for i in range(first))
-        self._num_moe_layers = sum(self.args.is_moe_layer(i) for i in range(self.args.num_layers))
+        self._stage_moe_layers = [i for i in range(first, first + counts[g.pp_rank]) if self.args.is_moe_layer(i)]
         self._routers_of: dict[int, list] = {}
         self._router_counts: torch.Tensor | None = None  # [differing, compared] while measured
         # The fraction of (token, MoE layer) entries whose top-k set differs from the
@@ -286,19 +285,20 @@ class MegatronActor:
 
     def _stage_routing(self, model, host_mb: PackedBatch, mb: PackedBatch) -> tuple[list, torch.Tensor | None]:
         """This stage's routers in ``model`` and the rollout's experts for them: the
-        micro-batch's routed_experts [T, L, K] cut to this stage's MoE layers and to the
-        tokens this rank's routers see (None without the field or routers)."""
+        micro-batch's routed_experts [T, num_layers, K] cut to this stage's MoE layers and
+        to the tokens this rank's routers see (None without the field or routers)."""
         if id(model) not in self._routers_of:
             self._routers_of[id(model)] = router_replay.stage_routers(model)
         routers = self._routers_of[id(model)]
         experts = mb.fields.get(router_replay.FIELD)
         if not routers or experts is None:
             return routers, None
-        if experts.dim() != 3 or experts.shape[1] != self._num_moe_layers:
-            raise ValueError(f"the batch's {router_replay.FIELD} field has shape {tuple(host_mb.fields[router_replay.FIELD].shape)}; "
-                             f"expected [tokens, {self._num_moe_layers} MoE layers, top_k]")
-        layers = router_replay.stage_moe_slice(self._moe_before, routers)
-        return routers, self._local_tokens(experts[:, layers])
+        shape = tuple(host_mb.fields[router_replay.FIELD].shape)
+        if len(shape) != 3 or shape[1:] != (self.args.num_layers, self.args.moe_top_k):
+            raise ValueError(f"the batch's {router_replay.FIELD} field has shape {shape}; expected [tokens, "
+                             f"{self.args.num_layers} layers, {self.args.moe_top_k} experts] (the engines' format)")
+        assert len(routers) == len(self._stage_moe_layers), "one router per MoE layer of the stage"
+        return routers, self._local_tokens(experts[:, self._stage_moe_layers])
 
     def _logprobs(self, mb: PackedBatch, logits_1TV: torch.Tensor,
                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

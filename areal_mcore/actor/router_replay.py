@@ -1,8 +1,9 @@
 """Routing replay for MoE: the actor's routers use the experts the rollout engine chose.
 
 Shape legend: T = tokens of a packed micro-batch (padding included), Tl = the tokens this
-rank's routers see (T / tp under sequence parallelism, else T), L = MoE layers of the
-whole model, Ll = those of this pipeline stage, K = top_k.
+rank's routers see (T / tp under sequence parallelism, else T), L = the model's layers
+(every decoder layer, dense ones included, as the engines return them), Ll = this pipeline
+stage's MoE layers, K = top_k.
 
 Built on megatron-core's own mechanism (transformer/moe/router_replay.py, ``RouterReplay``;
 0.16.1 and 0.19.2 alike): with ``TransformerConfig.moe_enable_routing_replay`` every
@@ -15,8 +16,9 @@ own top-k. We address each router's instance directly rather than megatron's cla
 list (``RouterReplay.global_router_replay_instances``), which also holds the routers of
 every other model built in the process (the frozen reference model, earlier actors).
 
-The routing field is vLLM's ``routed_experts`` laid per token: row t holds the experts token
-t was routed to in each MoE layer, -1 where the engine returned none (the last token of a
+The routing field is the engines' ``routed_experts`` laid per token: row t holds the experts
+token t was routed to in each layer (vLLM 0.32 and SGLang 0.5.23 size it by
+``num_hidden_layers`` and leave dense layers' entries unset; only MoE layers are read), -1 where the engine returned none (the last token of a
 sequence: it was sampled, never forwarded; a sample whose routing was lost). Those rows, and
 padding, keep the router's own top-k: megatron replays one index tensor for all tokens, so
 ``_RecordingReplay`` merges the two before megatron gathers the scores.
@@ -68,11 +70,6 @@ def stage_routers(module: torch.nn.Module) -> list[RouterReplay]:
                 m.router_replay = _RecordingReplay()
             out.append(m.router_replay)
     return out
-
-
-def stage_moe_slice(moe_layers_before: int, routers: list[RouterReplay]) -> slice:
-    """Which of the model's L MoE layers (the field's dim 1) are this stage's routers."""
-    return slice(moe_layers_before, moe_layers_before + len(routers))
 
 
 def local_tokens(x_T: torch.Tensor, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
