@@ -189,3 +189,59 @@ def test_router_replay_is_refused_for_a_dense_model_naming_the_key(tmp_path):
     with pytest.raises(FieldError, match="router_replay=true with recompute=true needs parallel.pp=1"):
         ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=8), optimizer=OptimizerConfig(lr=1.0),
                     parallel=ParallelConfig(pp=2), recompute=True, router_replay=True)
+
+
+# --------------------------------------------------------------------------- engine side
+
+
+@pytest.mark.server
+def test_embedded_server_returns_sglangs_routed_experts_equal_to_transformers_routing(tmp_path):
+    """Started with server.return_routed_experts (--enable-return-routed-experts), a request
+    with return_routed_experts gets meta_info.routed_experts as SGLang 0.5.23 sends it (base64
+    int32, [tokens - 1, num_hidden_layers, top_k]); it equals transformers' router top-k of
+    the whole sequence (two prompts of different lengths prefilled together, left-padded);
+    routed_experts_start_len drops prompt rows; a request that does not ask gets none. The
+    client's SGLang adapter asks for them and decodes them."""
+    import base64
+
+    import numpy as np
+    from _rollout import embedded_servers, http, tiny_hf_dir
+
+    from areal_mcore.rollout.engines.sglang import EmbeddedEngine
+
+    path = tiny_hf_dir(str(tmp_path), arch=ARCH, vocab=VOCAB)
+    _, _, hf = tiny_model(ARCH, vocab=VOCAB)
+    prompts = [[5, 17, 99, 3, 42, 7, 200, 11], [9, 8, 140]]
+    sampling = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    with embedded_servers(path, str(tmp_path / "logs"), return_routed_experts=True) as (server,):
+        a = server.address
+        status, outs = http(a, "POST", "/generate", {"input_ids": prompts, "sampling_params": [sampling] * 2,
+                                                     "return_routed_experts": True})
+        assert status == 200, outs
+        _, late = http(a, "POST", "/generate", {"input_ids": prompts[0], "sampling_params": sampling,
+                                                "return_routed_experts": True, "routed_experts_start_len": 3})
+        _, plain = http(a, "POST", "/generate", {"input_ids": prompts[0], "sampling_params": sampling})
+        engine = EmbeddedEngine()
+        _, body = engine.generate_request(server, prompts[1], _params(sampling), "r1", routed_experts=True)
+        _, via = http(a, "POST", "/generate", body)
+    assert "routed_experts" not in plain["meta_info"]
+    for prompt, out in zip(prompts, outs, strict=True):
+        seq = torch.tensor(prompt + out["output_ids"])
+        got = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
+        got = torch.from_numpy(got.copy()).reshape(-1, 4, 2)
+        want = _hf_routing(hf, seq)[:-1]
+        assert got.shape == (len(seq) - 1, 4, 2)
+        assert torch.equal(got[:, MOE_LAYERS].sort(-1).values, want[:, MOE_LAYERS].sort(-1).values)
+        assert not got[:, 2].any()  # the dense layer: unset (0)
+    first = np.frombuffer(base64.b64decode(outs[0]["meta_info"]["routed_experts"]), dtype=np.int32)
+    late_rows = np.frombuffer(base64.b64decode(late["meta_info"]["routed_experts"]), dtype=np.int32)
+    assert np.array_equal(late_rows, first[3 * 4 * 2:])
+    chunk = engine.parse_generate(server, via, 5)
+    assert np.array_equal(chunk.routed_experts, np.frombuffer(
+        base64.b64decode(outs[1]["meta_info"]["routed_experts"]), dtype=np.int32))
+
+
+def _params(raw):
+    from areal_mcore.rollout.protocol import SamplingParams
+
+    return SamplingParams.from_json(raw)
