@@ -109,6 +109,9 @@ class ExperimentConfig(InferenceConfig):
             # the disk export gathers every expert (MegatronActor.hf_state_dict).
             raise ValueError(f"actor.parallel.ep={self.actor.parallel.ep} needs weight_sync.mode=disk: the "
                              "distributed weight sync does not gather experts over expert parallelism yet")
+        if self.actor.router_replay and self.trainer is not None and not (s and s.return_routed_experts):
+            raise ValueError("actor.router_replay=true needs server.return_routed_experts=true: the servers "
+                             "return the experts to replay only when started with it")
         self._check_reward_groups()
         self._resolve_loss_norm_tokens()
         self._check_overlong_penalty()

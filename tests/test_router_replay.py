@@ -245,3 +245,36 @@ def _params(raw):
     from areal_mcore.rollout.protocol import SamplingParams
 
     return SamplingParams.from_json(raw)
+
+
+def test_rollout_routing_reaches_the_batch_as_a_per_token_field_through_dispatch():
+    """A sample's engine routing ([n - 1, layers, top_k], vLLM's uint8 or SGLang's flat
+    int32) crosses the dispatcher's wire format and becomes the batch's routed_experts
+    field [T, layers x top_k] (the actor views it as [T, layers, top_k]): -1 on each last
+    token, and on every token of a sample without routing or with the wrong row count."""
+    import numpy as np
+
+    from areal_mcore.algo.config import PPOConfig
+    from areal_mcore.rollout.controller import Sample
+    from areal_mcore.trainer.batch import to_train_batch
+    from areal_mcore.trainer.dispatch import RolloutShard
+
+    g = np.random.default_rng(0)
+
+    def sample(p, o, routed):
+        return Sample(group=0, prompt_ids=list(range(p)), output_ids=list(range(o)), logprobs=[-1.0] * o,
+                      versions=[0] * o, reward=1.0, finish_reason="stop", start_version=0, routed_experts=routed)
+
+    a = g.integers(0, 8, (6, 4, 2)).astype(np.uint8)  # vLLM: narrowest dtype, 3-D
+    b = g.integers(0, 8, (4 * 4 * 2,)).astype(np.int32)  # SGLang: flat int32
+    samples = [sample(3, 4, a), sample(2, 3, b), sample(2, 2, None), sample(3, 2, a)]  # the last: 6 rows for 4
+    shard = RolloutShard.from_samples(samples)
+    shard = RolloutShard.from_bytes(shard.header(), shard.to_bytes())
+    batch = to_train_batch(shard, PPOConfig())
+    f = batch.split(batch.fields["routed_experts"])
+    assert [tuple(x.shape) for x in f] == [(7, 8), (5, 8), (4, 8), (5, 8)]
+    assert torch.equal(f[0][:6], torch.from_numpy(a.reshape(6, 8).astype(np.int32))) and (f[0][6] == -1).all()
+    assert torch.equal(f[1][:4].reshape(-1), torch.from_numpy(b)) and (f[1][4] == -1).all()
+    assert (f[2] == -1).all() and (f[3] == -1).all()
+    plain = to_train_batch(RolloutShard.from_samples([sample(3, 4, None)]), PPOConfig())
+    assert "routed_experts" not in plain.fields

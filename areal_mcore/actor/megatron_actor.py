@@ -293,10 +293,12 @@ class MegatronActor:
         experts = mb.fields.get(router_replay.FIELD)
         if not routers or experts is None:
             return routers, None
-        shape = tuple(host_mb.fields[router_replay.FIELD].shape)
-        if len(shape) != 3 or shape[1:] != (self.args.num_layers, self.args.moe_top_k):
+        shape, want = tuple(host_mb.fields[router_replay.FIELD].shape), (self.args.num_layers, self.args.moe_top_k)
+        if len(shape) == 2 and shape[1] == want[0] * want[1]:  # the rollout's [T, W] (trainer/dispatch.py)
+            experts, shape = experts.view(-1, *want), (shape[0], *want)
+        if len(shape) != 3 or shape[1:] != want:
             raise ValueError(f"the batch's {router_replay.FIELD} field has shape {shape}; expected [tokens, "
-                             f"{self.args.num_layers} layers, {self.args.moe_top_k} experts] (the engines' format)")
+                             f"{want[0]} layers, {want[1]} experts] (the engines' format)")
         assert len(routers) == len(self._stage_moe_layers), "one router per MoE layer of the stage"
         return routers, self._local_tokens(experts[:, self._stage_moe_layers])
 
@@ -360,8 +362,8 @@ class MegatronActor:
         # float64: counts stay exact past float32's 2^24 (tokens x MoE layers of a step)
         self._router_counts = torch.zeros(2, dtype=torch.float64, device=self.device) if measure else None
         outputs = self._run(micro, loss_func, forward_only=True, model=module)
-        if measure:
-            self.router_disagreement = self._reduce_router_counts()
+        if model is None:
+            self.router_disagreement = self._reduce_router_counts() if measure else None
         out_T = torch.zeros(batch.input_ids.numel(), dtype=torch.float32, device=self.device)
         if g.is_last_stage:
             starts = batch.cu_seqlens_padded[:-1].tolist()
