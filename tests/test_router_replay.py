@@ -191,6 +191,18 @@ def test_router_replay_is_refused_for_a_dense_model_naming_the_key(tmp_path):
                     parallel=ParallelConfig(pp=2), recompute=True, router_replay=True)
 
 
+def test_router_replay_without_the_servers_routing_is_refused_at_config_load():
+    from pathlib import Path
+
+    from areal_mcore.config import load_config
+
+    boba = Path(__file__).parents[1] / "configs" / "boba_7b.yaml"
+    with pytest.raises(Exception, match=r"actor.router_replay=true needs server.return_routed_experts=true"):
+        load_config(boba, ["actor.router_replay=true"])
+    cfg = load_config(boba, ["actor.router_replay=true", "server.return_routed_experts=true"])
+    assert cfg.actor.router_replay and cfg.server.return_routed_experts
+
+
 # --------------------------------------------------------------------------- engine side
 
 
@@ -241,6 +253,25 @@ def test_embedded_server_returns_sglangs_routed_experts_equal_to_transformers_ro
         base64.b64decode(outs[1]["meta_info"]["routed_experts"]), dtype=np.int32))
 
 
+def test_served_model_loads_per_expert_checkpoint_names_into_transformers_stacked_experts():
+    """What the weight sync sends for Qwen3-MoE (the checkpoint files' per-expert names)
+    lands in transformers' stacked gate_up_proj / down_proj, bitwise; a wrong shape or an
+    expert past the last is refused before any copy."""
+    from areal_mcore.rollout import weights as W
+
+    _, state, src = tiny_model(ARCH, vocab=VOCAB)
+    _, _, dst = tiny_model(ARCH, seed=1, vocab=VOCAB)
+    W.check_weights(dst, list(state), [list(t.shape) for t in state.values()])
+    assert W.load_weights(dst, state.items()) == len(state)
+    for (name, a), b in zip(src.named_parameters(), dst.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    bad = {"model.layers.0.mlp.experts.8.gate_proj.weight": [32, 64],
+           "model.layers.0.mlp.experts.0.down_proj.weight": [32, 64]}
+    with pytest.raises(ValueError, match=r"unknown weight 'model.layers.0.mlp.experts.8.gate_proj.weight'; "
+                                         r"model.layers.0.mlp.experts.0.down_proj.weight: shape \[32, 64\]"):
+        W.check_weights(dst, list(bad), list(bad.values()))
+
+
 def _params(raw):
     from areal_mcore.rollout.protocol import SamplingParams
 
@@ -273,8 +304,59 @@ def test_rollout_routing_reaches_the_batch_as_a_per_token_field_through_dispatch
     batch = to_train_batch(shard, PPOConfig())
     f = batch.split(batch.fields["routed_experts"])
     assert [tuple(x.shape) for x in f] == [(7, 8), (5, 8), (4, 8), (5, 8)]
-    assert torch.equal(f[0][:6], torch.from_numpy(a.reshape(6, 8).astype(np.int32))) and (f[0][6] == -1).all()
-    assert torch.equal(f[1][:4].reshape(-1), torch.from_numpy(b)) and (f[1][4] == -1).all()
+    assert f[0].dtype == torch.int16
+    assert torch.equal(f[0][:6], torch.from_numpy(a.reshape(6, 8).astype(np.int16))) and (f[0][6] == -1).all()
+    assert torch.equal(f[1][:4].reshape(-1), torch.from_numpy(b.astype(np.int16))) and (f[1][4] == -1).all()
     assert (f[2] == -1).all() and (f[3] == -1).all()
     plain = to_train_batch(RolloutShard.from_samples([sample(3, 4, None)]), PPOConfig())
     assert "routed_experts" not in plain.fields
+
+
+# --------------------------------------------------------------------------- the PPO loop
+
+
+def _moe_assets(tmp_path) -> dict[str, str]:
+    """The tiny task with the tiny random Qwen3-MoE under its tokenizer."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=16, n_test=4,
+                                                hidden_size=32, intermediate_size=64, num_layers=1))
+    tok_dir, model_dir = Path(assets["model"]), tmp_path / ARCH
+    vocab = json.loads((tok_dir / "config.json").read_text())
+    _, _, model = tiny_model(ARCH, seed=1, vocab=vocab["vocab_size"])
+    model.config.eos_token_id = model.generation_config.eos_token_id = vocab["eos_token_id"]
+    model.config.pad_token_id = vocab["pad_token_id"]
+    model.save_pretrained(model_dir)
+    for f in tok_dir.iterdir():  # the tokenizer's files and chat template
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "generation_config.json"):
+            shutil.copy(f, model_dir)
+    return {**assets, "model": str(model_dir)}
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.server
+def test_ppo_with_router_replay_on_the_embedded_server_logs_the_disagreement(tmp_path):
+    """Two PPO steps of a TP=2 Qwen3-MoE actor on an embedded server that returns routing:
+    the routing crosses client, controller, dispatch and packing into every actor forward,
+    moe/router_disagreement is logged each step (0: transformers and megatron route alike,
+    also after the distributed weight sync: per-expert names into transformers' stacked
+    experts, rollout/weights.py), and the behaviour weights stay at 1."""
+    from test_ppo_e2e import _overrides, _ppo_worker
+
+    steps = 2
+    overrides = _overrides(
+        _moe_assets(tmp_path), tmp_path, "replay", "actor.parallel.tp=2", "actor.router_replay=true",
+        "server.return_routed_experts=true", "server.context_length=256", "rollout.temperature=0.7",
+        "rollout.n_samples=2", "rollout.max_new_tokens=12", "ppo.use_decoupled_loss=true",
+        "ppo.reward_norm.group_size=2", "actor.optimizer.lr=1e-3", f"trainer.total_steps={steps}")
+    rows = run_gloo(_ppo_worker, 2, overrides)[0]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["moe/router_disagreement"] for r in rows] == [0.0] * steps, rows
+    assert all(r["sync/server_versions"] == [str(r["step"])] for r in rows), rows
+    for r in rows:
+        assert abs(r["train/behav_imp_weight_mean"] - 1) <= 0.02, r
