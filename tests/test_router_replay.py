@@ -253,6 +253,49 @@ def test_embedded_server_returns_sglangs_routed_experts_equal_to_transformers_ro
         base64.b64decode(outs[1]["meta_info"]["routed_experts"]), dtype=np.int32))
 
 
+@pytest.mark.server
+def test_a_completion_resumed_after_a_pause_keeps_routing_for_every_token(tmp_path):
+    """A pause (abort mode) mid-generation makes the client resubmit prompt + output so far;
+    the resumed attempt's routing covers the whole sequence, so the Completion's is
+    transformers' routing of all tokens but the last (the weights did not change)."""
+    import asyncio
+
+    from _rollout import embedded_servers, tiny_hf_dir
+
+    from areal_mcore.rollout.client import ClientConfig, RolloutClient
+    from areal_mcore.rollout.protocol import SamplingParams
+
+    path = tiny_hf_dir(str(tmp_path), arch=ARCH, vocab=VOCAB)
+    _, _, hf = tiny_model(ARCH, vocab=VOCAB)
+    prompt = [5, 17, 99, 3]
+
+    async def run(address):
+        async with RolloutClient(ClientConfig(addresses=[address], return_routed_experts=True)) as client:
+            chunks, parse = [], client.engine.parse_generate
+
+            def recorded(*args):
+                chunks.append(parse(*args))
+                return chunks[-1]
+            client.engine.parse_generate = recorded
+            task = asyncio.ensure_future(client.generate(prompt, SamplingParams(
+                max_new_tokens=24, ignore_eos=True, temperature=0.0)))
+            await asyncio.sleep(0.4)  # a few decode steps of 0.05 s
+            await client.pause("abort")
+            await asyncio.sleep(0.2)
+            await client.continue_()
+            return await task, chunks
+
+    with embedded_servers(path, str(tmp_path / "logs"), return_routed_experts=True,
+                          extra_args=["--step-delay-s", "0.05"]) as (server,):
+        c, chunks = asyncio.run(run(server.address))
+    assert chunks[0].finish_reason["type"] == "abort" and 0 < len(chunks[0].output_ids) < 24  # resumed
+    assert chunks[0].routed_experts is not None and len(c.output_ids) == 24
+    got = torch.from_numpy(c.routed_experts.astype("int64")).reshape(-1, 4, 2)
+    want = _hf_routing(hf, torch.tensor(prompt + c.output_ids))[:-1]
+    assert got.shape == want.shape
+    assert torch.equal(got[:, MOE_LAYERS].sort(-1).values, want[:, MOE_LAYERS].sort(-1).values)
+
+
 def test_served_model_loads_per_expert_checkpoint_names_into_transformers_stacked_experts():
     """What the weight sync sends for Qwen3-MoE (the checkpoint files' per-expert names)
     lands in transformers' stacked gate_up_proj / down_proj, bitwise; a wrong shape or an
