@@ -18,10 +18,11 @@ every other model built in the process (the frozen reference model, earlier acto
 
 The routing field is the engines' ``routed_experts`` laid per token: row t holds the experts
 token t was routed to in each layer (vLLM 0.32 and SGLang 0.5.23 size it by
-``num_hidden_layers`` and leave dense layers' entries unset; only MoE layers are read), -1 where the engine returned none (the last token of a
-sequence: it was sampled, never forwarded; a sample whose routing was lost). Those rows, and
-padding, keep the router's own top-k: megatron replays one index tensor for all tokens, so
-``_RecordingReplay`` merges the two before megatron gathers the scores.
+``num_hidden_layers`` and leave dense layers' entries unset; only MoE layers are read), -1
+where the engine returned none (the last token of a sequence: it was sampled, never
+forwarded; a sample whose routing was lost). Those rows, and padding, keep the router's own
+top-k: megatron replays one index tensor for all tokens, so ``_RecordingReplay`` merges the
+two before megatron gathers the scores.
 """
 
 from __future__ import annotations
@@ -65,10 +66,14 @@ def stage_routers(module: torch.nn.Module) -> list[RouterReplay]:
     (once). Empty for a dense model or one built without ``moe_enable_routing_replay``."""
     out = []
     for m in module.modules():
-        if isinstance(m, TopKRouter) and getattr(m, "router_replay", None) is not None:
-            if not isinstance(m.router_replay, _RecordingReplay):
-                m.router_replay = _RecordingReplay()
-            out.append(m.router_replay)
+        old = getattr(m, "router_replay", None) if isinstance(m, TopKRouter) else None
+        if old is None:
+            continue
+        if not isinstance(old, _RecordingReplay):
+            m.router_replay = _RecordingReplay()  # joins megatron's class-wide list (__init__)
+            m.router_replay.layer_number = getattr(old, "layer_number", None)  # 0.19.2 sets it
+            RouterReplay.global_router_replay_instances.remove(old)
+        out.append(m.router_replay)
     return out
 
 
