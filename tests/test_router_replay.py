@@ -166,6 +166,29 @@ def test_router_disagreement_is_zero_for_own_routing_and_the_perturbed_fraction(
         assert r["pert"][1] == pytest.approx(want, abs=1e-9)
 
 
+def _train_replayed(rank, world, recompute, pert):
+    from _actor_setup import ppo_loss, tiny_actor, train_fields
+
+    actor = tiny_actor(arch=ARCH, recompute=recompute)
+    actor.cfg.router_replay = True
+    seqs = eval_seqs(VOCAB)
+    actor.train_batch(pack(seqs, {**train_fields(seqs), FIELD: pert}), ppo_loss)
+    return actor.hf_state_dict()
+
+
+@pytest.mark.multirank
+def test_replay_under_full_recompute_trains_the_same_weights():
+    """With actor.recompute (pp = 1) the backward reruns each layer's forward, which replays
+    the same experts (megatron's REPLAY_FORWARD target is still this micro-batch's): one
+    replayed PPO step trains the weights it trains without recompute."""
+    _, pert, _ = _routings()
+    plain, = run_gloo(_train_replayed, 1, False, pert)
+    recomputed, = run_gloo(_train_replayed, 1, True, pert)
+    assert set(plain) == set(recomputed)
+    rel = {k: float((plain[k] - v).abs().max() / v.abs().max()) for k, v in recomputed.items()}
+    assert max(rel.values()) <= 1e-5, max(rel, key=rel.get)
+
+
 def test_router_replay_is_refused_for_a_dense_model_naming_the_key(tmp_path):
     from areal_mcore.actor.config import (
         ActorConfig,
