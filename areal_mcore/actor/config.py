@@ -152,8 +152,3 @@ class ActorConfig:
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise FieldError("overlap_param_gather", "=true needs overlap_grad_reduce=true (megatron's rule)")
         check_positive("vocab_divisible_by", self.vocab_divisible_by)
-        if self.router_replay and self.recompute and self.parallel.pp > 1:
-            # megatron's REPLAY_FORWARD re-reads the last target in the recomputed forward;
-            # with pp > 1 several micro-batches are in flight (1F1B), so it would be another's.
-            raise FieldError("router_replay", "=true with recompute=true needs parallel.pp=1: the recomputed "
-                             "forward would replay another micro-batch's experts")

@@ -267,8 +267,12 @@ class MegatronActor:
             cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
             max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen,
         )
-        routers, experts = self._stage_routing(model, host_mb, mb)
-        router_replay.start(routers, experts, self.cfg.router_replay)
+        experts = None
+        if router_replay.FIELD in host_mb.fields:  # without it the routers are idle (_run stops them)
+            routers, experts = self._stage_routing(model, host_mb, mb)
+            # megatron checkpoints whole layers only in training (TransformerBlock.forward)
+            recompute = model.training and self.config.recompute_granularity == "full"
+            router_replay.start(routers, experts, self.cfg.router_replay, recompute)
         output = model(mb.input_ids.unsqueeze(0), mb.position_ids.unsqueeze(0), attention_mask=None,
                        packed_seq_params=params)
         if experts is not None and self._router_counts is not None:

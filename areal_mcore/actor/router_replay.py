@@ -38,16 +38,36 @@ class _RecordingReplay(RouterReplay):
     """megatron's ``RouterReplay`` that, while it replays, also records the router's own
     top-k (so the train-vs-rollout disagreement is measured with replay on as well:
     megatron's ``REPLAY_FORWARD`` computes none) and keeps the router's own choice for the
-    rows the rollout has no routing for (see ``has_routing``)."""
+    rows the rollout has no routing for (see ``has_routing``).
+
+    Under full recompute (``recompute``: set for a training forward with
+    ``recompute_granularity=full``) the backward reruns each layer's forward, and with
+    pp > 1 several micro-batches are in flight (1F1B) when it does, so the current target
+    is another micro-batch's. megatron keeps a queue for this (``replay_backward_list``,
+    ``REPLAY_BACKWARD``) but nothing switches to it; here the first forward, which megatron's
+    ``CheckpointFunction.forward`` runs without grad (tensor_parallel/random.py), queues
+    the experts it used and the recomputation (with grad) takes them in order: a stage's
+    backwards run in its forwards' order under every megatron schedule."""
+
+    recompute: bool = False
+    _queue: list[torch.Tensor]
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
-            with torch.no_grad():
-                _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-            self.record_indices(own)
-            target = self.target_topk_idx.to(scores.device)
-            self.target_topk_idx = torch.where(has_routing(target)[:, None], target, own)
+            if self.recompute and torch.is_grad_enabled():  # the backward's recomputation
+                self.target_topk_idx = self._queue.pop(0)
+            else:
+                with torch.no_grad():
+                    _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                self.record_indices(own)
+                target = self.target_topk_idx.to(scores.device)
+                self.target_topk_idx = torch.where(has_routing(target)[:, None], target, own)
+                if self.recompute:
+                    self._queue.append(self.target_topk_idx)
         return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+
+    def clear_queue(self) -> None:
+        self._queue = []
 
 
 def has_routing(experts_TK: torch.Tensor) -> torch.Tensor:
@@ -71,6 +91,7 @@ def stage_routers(module: torch.nn.Module) -> list[RouterReplay]:
             continue
         if not isinstance(old, _RecordingReplay):
             m.router_replay = _RecordingReplay()  # joins megatron's class-wide list (__init__)
+            m.router_replay.clear_queue()
             m.router_replay.layer_number = getattr(old, "layer_number", None)  # 0.19.2 sets it
             RouterReplay.global_router_replay_instances.remove(old)
         out.append(m.router_replay)
@@ -87,11 +108,14 @@ def local_tokens(x_T: torch.Tensor, tp_rank: int, tp_size: int, sequence_paralle
     return x_T[tp_rank * n:(tp_rank + 1) * n]
 
 
-def start(routers: list[RouterReplay], experts_TlLlK: torch.Tensor | None, replay: bool) -> None:
+def start(routers: list[RouterReplay], experts_TlLlK: torch.Tensor | None, replay: bool,
+          recompute: bool = False) -> None:
     """Arms this stage's routers for one forward: replay ``experts`` (when ``replay``) or
-    record the routers' own top-k (when there is a rollout routing to compare with)."""
+    record the routers' own top-k (when there is a rollout routing to compare with).
+    ``recompute``: a training forward whose layers the backward recomputes (full)."""
     for i, r in enumerate(routers):
         r.clear_indices()
+        r.recompute = recompute
         if experts_TlLlK is not None and replay:
             r.set_target_indices(experts_TlLlK[:, i].long())
             r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -105,6 +129,7 @@ def stop(routers: list[RouterReplay]) -> None:
     """Back to the router's own top-k, nothing held."""
     for r in routers:
         r.clear_indices()
+        r.clear_queue()
         r.clear_router_replay_action()
 
 
