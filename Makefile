@@ -113,14 +113,14 @@ $(STAMP019): $(BASE019) setup.py Makefile | $(STAMP)
 	touch $(STAMP019)
 
 # The megatron-touching tests (actor, checkpoint, conversion, weight sync, SFT, tiny PPO
-# e2e, the shims), sequence parallelism at TP=2 (on by default there), and the cross-version
+# e2e, the shims, MoE and its routing replay through megatron's RouterReplay), sequence parallelism at TP=2 (on by default there), and the cross-version
 # checkpoint test against the main venv's 0.16.1. None needs Slurm or the SGLang wheels.
 # The PP=2 tied-embedding, uneven-split and TP2xPP2 SP tests also pass on 0.19.2 (run
 # 2026-12-01: all 53 of MCORE_TESTS_ALL, 27 CPU-minutes) but stay out of `make test` to keep
 # CI's added time near 12 minutes: `make test-mcore019 MCORE_TESTS='$(MCORE_TESTS_ALL)'`.
 MCORE_BASE := tests/test_cpu_shims.py tests/test_actor.py tests/test_checkpoint.py \
 	tests/test_convert.py tests/test_weight_sync.py tests/test_sft.py tests/test_ppo_e2e.py \
-	tests/test_mcore_versions.py tests/test_moe.py
+	tests/test_mcore_versions.py tests/test_moe.py tests/test_router_replay.py
 MCORE_TESTS := $(MCORE_BASE) \
 	tests/test_sequence_parallel.py::test_tp2_sequence_parallel_equals_tp2_and_saves_activation_memory
 MCORE_TESTS_ALL := $(MCORE_BASE) tests/test_sequence_parallel.py tests/test_tied_pipeline.py \

@@ -286,7 +286,7 @@ def run_train(a) -> int:
     if a.command == "sft":
         check_model_folder("sft.base_model", cfg.sft.base_model, cfg.actor.parallel.ep)  # and a model the actor refuses
     else:
-        check_model_folder("model_path", cfg.model_path, cfg.actor.parallel.ep)
+        check_model_folder("model_path", cfg.model_path, cfg.actor.parallel.ep, cfg.actor.router_replay)
     _init_distributed()
     if a.command == "sft":
         from areal_mcore.trainer.sft import run_sft

@@ -103,6 +103,9 @@ class ExperimentConfig(InferenceConfig):
         if self.trainer is not None and self.rollout is not None and self.rollout.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.rollout.temperature} must be > 0 for training: "
                              "the actor scores tokens at the sampling temperature")
+        if self.actor.router_replay and self.trainer is not None and not (s and s.return_routed_experts):
+            raise ValueError("actor.router_replay=true needs server.return_routed_experts=true: the servers "
+                             "return the experts to replay only when started with it")
         self._check_reward_groups()
         self._resolve_loss_norm_tokens()
         self._check_overlong_penalty()

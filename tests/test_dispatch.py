@@ -86,9 +86,9 @@ def test_each_replica_receives_only_its_groups_once_then_its_model_parallel_peer
     for rank, (heads, got, _, received) in enumerate(out):
         assert heads == [0, 2]
         assert got == _as_lists(parts[rank // 2])  # its replica's samples, nothing else
-        wire = parts[rank // 2].nbytes + 24  # + the int64[3] header
+        wire = parts[rank // 2].nbytes + 32  # + the int64[4] header
         assert received == (0 if rank == 0 else wire)
-    assert out[0][2] == parts[1].nbytes + 24  # rank 0 sent replica 1's share, once
+    assert out[0][2] == parts[1].nbytes + 32  # rank 0 sent replica 1's share, once
 
 
 def _late_rank_0(rank, world, samples, n):
@@ -176,7 +176,7 @@ def test_ppo_at_dp2_with_dispatch_trains_bitwise_like_the_pickled_broadcast(tmp_
     for step, ((got0, expected, _), (got1, _, received1)) in enumerate(zip(new[0][1], new[1][1])):
         assert got0 == expected[0] and got1 == expected[1], step  # rank 1 got replica 1's samples only
         b, t, o = (len(expected[1][k]) for k in ("rewards", "tokens", "logprobs"))
-        assert received1 == 24 + 24 * b + 4 * t + 8 * o  # header + int64 x 2, float32, int32 per sample...
+        assert received1 == 32 + 24 * b + 4 * t + 8 * o  # header + int64 x 2, float32, int32 per sample...
 
 
 def test_the_dispatch_cost_model_adds_its_documented_terms():

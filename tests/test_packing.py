@@ -70,10 +70,22 @@ def test_split_maps_a_model_output_back_to_sequences():
         ([], None, "at least one"),
         ([torch.tensor([], dtype=torch.long)], None, "non-empty"),
         ([torch.ones(2, 2, dtype=torch.long)], None, "1-D"),
-        ([torch.ones(3, dtype=torch.long)], {"loss_mask": [torch.ones(2)]}, "expected \\(3,\\)"),
+        ([torch.ones(3, dtype=torch.long)], {"loss_mask": [torch.ones(2)]}, "expected \\(3, \\.\\.\\.\\)"),
         ([torch.ones(3, dtype=torch.long)], {"loss_mask": []}, "0 entries for 1"),
     ],
 )
 def test_pack_rejects_bad_input_naming_what_is_wrong(seqs, fields, match):
     with pytest.raises(ValueError, match=match):
         pack(seqs, fields)
+
+
+def test_pack_keeps_a_fields_trailing_dims_and_pads_them_with_zeros():
+    """Per-token fields may carry more per token (routed_experts: [n, MoE layers, top_k])."""
+    seqs = [torch.arange(3), torch.arange(2)]
+    experts = [torch.arange(3 * 6).view(3, 3, 2), -torch.ones(2, 3, 2, dtype=torch.long)]
+    b = pack(seqs, {"routed_experts": experts}, pad_to_multiple_of=4)
+    assert b.fields["routed_experts"].shape == (8, 3, 2)
+    assert not b.fields["routed_experts"][3].any() and not b.fields["routed_experts"][6:].any()
+    _, fields = unpack(b)
+    assert all(torch.equal(a, e) for a, e in zip(fields["routed_experts"], experts, strict=True))
+    assert [t.shape for t in b.select([1]).fields.values()] == [(4, 3, 2)]

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import base64
 import importlib
 import re
 
+import numpy as np
 import pytest
 import torch
 from _rollout import embedded_servers, http, tiny_hf_dir
@@ -25,6 +27,8 @@ from areal_mcore.rollout.client import ClientConfig, RolloutClient
 from areal_mcore.rollout.protocol import SamplingParams
 
 # The HTTP route -> SGLang's request struct for its JSON body (http_server.py handlers).
+# [tokens - 1, layers, top_k] of a 3-token prompt + 2 tokens (SGLang's meta_info.routed_experts)
+ROUTED = np.arange(4 * 3 * 2, dtype=np.int32).reshape(4, 3, 2)
 STRUCTS = {
     "/abort_request": "AbortReq", "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
@@ -141,12 +145,14 @@ def _stand_in(sglang: SGLang, seen: list):
         if request.path == "/model_info":
             return web.json_response({"weight_version": "3"})
         if request.path == "/generate":
-            return web.json_response({"output_ids": [4, 5], "meta_info": {
-                "id": body["rid"], "finish_reason": {"type": "stop", "matched": 5},
-                "prompt_tokens": 3, "completion_tokens": 2, "weight_version": "3",
-                "weight_versions": [{"version": "2", "start": 0, "end": 1},
-                                    {"version": "3", "start": 1, "end": 2}],
-                "output_token_logprobs": [[-0.5, 4, None], [-0.25, 5, None]]}})
+            meta = {"id": body["rid"], "finish_reason": {"type": "stop", "matched": 5},
+                    "prompt_tokens": 3, "completion_tokens": 2, "weight_version": "3",
+                    "weight_versions": [{"version": "2", "start": 0, "end": 1},
+                                        {"version": "3", "start": 1, "end": 2}],
+                    "output_token_logprobs": [[-0.5, 4, None], [-0.25, 5, None]]}
+            if body.get("return_routed_experts"):  # TokenizerManager: b64 of the int32 bytes
+                meta["routed_experts"] = base64.b64encode(ROUTED.tobytes()).decode()
+            return web.json_response({"output_ids": [4, 5], "meta_info": meta})
         return web.json_response({"success": True, "message": "ok"})
 
     app = web.Application()
@@ -166,6 +172,10 @@ async def _drive_client(sglang: SGLang) -> tuple[list, tuple]:
                 max_new_tokens=8, stop_token_ids=[5], sampling_seed=3, top_k=5, top_p=0.9,
                 temperature=0.7))
             versions = await client.weight_versions()
+        routed_cfg = ClientConfig(addresses=[f"127.0.0.1:{port}"], return_routed_experts=True)
+        async with RolloutClient(routed_cfg) as client:  # MoE routing asked for (server.return_routed_experts)
+            routed = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=8))
+        async with RolloutClient(ClientConfig(addresses=[f"127.0.0.1:{port}"])) as client:
             for mode in ("abort", "retract", "in_place"):
                 await client.pause(mode=mode)
             await client.continue_()
@@ -187,11 +197,11 @@ async def _drive_client(sglang: SGLang) -> tuple[list, tuple]:
             world = group.world_size
     finally:
         await runner.cleanup()
-    return seen, (c, versions, world)
+    return seen, (c, versions, world, routed)
 
 
 def test_every_request_the_client_sends_is_accepted_by_sglangs_own_validation(sglang):
-    seen, (c, versions, world) = asyncio.run(_drive_client(sglang))
+    seen, (c, versions, world, routed) = asyncio.run(_drive_client(sglang))
     for (method, path), body in seen:
         sglang.validate(method, path, body)
     called = {path for (_, path), _ in seen}
@@ -203,6 +213,8 @@ def test_every_request_the_client_sends_is_accepted_by_sglangs_own_validation(sg
     assert c.output_ids == [4, 5] and c.logprobs == [-0.5, -0.25]
     assert c.versions == ["2", "3"]  # per-token versions from the spans
     assert versions == ["3"] and world == 3  # trainer + a TP-2 server
+    assert c.routed_experts is None and np.array_equal(routed.routed_experts, ROUTED.reshape(-1))
+    assert [b.get("return_routed_experts") for (_, p), b in seen if p == "/generate"] == [None, True]
     inits = [b for (_, p), b in seen if p == "/init_weights_update_group"]
     assert inits == [{"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
                       "world_size": 3, "group_name": "g", "backend": "gloo"}]

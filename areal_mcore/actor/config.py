@@ -135,6 +135,12 @@ class ActorConfig:
     # Fused vocab-parallel logprob (kernels/logprob.py): "auto" is Triton on GPU with
     # triton installed, the chunked torch path otherwise; both give the same numbers.
     logprob_kernel: str = "auto"
+    # MoE routing replay: every forward of the actor (logprob recompute, train) routes each
+    # token to the experts the rollout engine chose for it (the batch's routed_experts
+    # field, from vLLM's --enable-return-routed-experts or the embedded server), through
+    # megatron's RouterReplay (actor/router_replay.py). MoE models only (refused for a
+    # dense one). Without the field the routers choose as usual (docs/models.md).
+    router_replay: bool = False
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, DTYPES)

@@ -29,6 +29,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from areal_mcore import accel, collectives
+from areal_mcore.actor import router_replay
 from areal_mcore.actor.config import ActorConfig
 from areal_mcore.actor.logprobs import token_logprobs_entropy
 from areal_mcore.actor.parallel import ParallelGroups, init_parallel
@@ -37,6 +38,7 @@ from areal_mcore.model import adapter
 from areal_mcore.model.args import (
     ModelArgs,
     check_expert_parallel,
+    check_router_replay,
     padded_vocab_size,
     stage_layer_counts,
 )
@@ -65,6 +67,7 @@ class MegatronActor:
             self.args = dataclasses.replace(self.args, pipeline_split=tuple(stage_layer_counts(
                 self.args.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers)))
         check_expert_parallel(self.args, p.ep)  # before megatron builds groups for it
+        check_router_replay(self.args, cfg.router_replay)
         self.groups: ParallelGroups = init_parallel(cfg.parallel, seed)
         g = self.groups
         found = accel.detect()
@@ -105,6 +108,17 @@ class MegatronActor:
         self.config.no_sync_func = self.model.no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
         self._fb = get_forward_backward_func()
+        # This stage's MoE layers (global indices): its routers, in order, read those
+        # columns of the routed_experts field [T, num_layers, K].
+        counts = stage_layer_counts(self.args.num_layers, g.pp_size, p.first_stage_layers, p.last_stage_layers)
+        first = sum(counts[:g.pp_rank])
+        self._stage_moe_layers = [i for i in range(first, first + counts[g.pp_rank]) if self.args.is_moe_layer(i)]
+        self._routers_of: dict[int, list] = {}
+        self._router_counts: torch.Tensor | None = None  # [differing, compared] while measured
+        # The fraction of (token, MoE layer) entries whose top-k set differs from the
+        # rollout's, from the last compute_logprobs of the actor's model on a batch with
+        # routed_experts (None otherwise).
+        self.router_disagreement: float | None = None
 
     def _build_module(self):
         """(TransformerConfig, GPTModel) of this rank's shard, on the device; each call a
@@ -253,9 +267,44 @@ class MegatronActor:
             cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
             max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen,
         )
+        experts = None
+        if router_replay.FIELD in host_mb.fields:  # without it the routers are idle (_run stops them)
+            routers, experts = self._stage_routing(model, host_mb, mb)
+            # megatron checkpoints whole layers only in training (TransformerBlock.forward)
+            recompute = model.training and self.config.recompute_granularity == "full"
+            router_replay.start(routers, experts, self.cfg.router_replay, recompute)
         output = model(mb.input_ids.unsqueeze(0), mb.position_ids.unsqueeze(0), attention_mask=None,
                        packed_seq_params=params)
+        if experts is not None and self._router_counts is not None:
+            real_T = torch.zeros(host_mb.input_ids.numel(), dtype=torch.bool)
+            for start, n in zip(host_mb.cu_seqlens_padded[:-1].tolist(), host_mb.seqlens, strict=True):
+                real_T[start:start + n] = True
+            real = self._local_tokens(real_T).to(self.device)
+            self._router_counts += router_replay.disagreement_counts(routers, experts, real)
         return output, partial(loss_func, mb)
+
+    def _local_tokens(self, x_T: torch.Tensor) -> torch.Tensor:
+        return router_replay.local_tokens(x_T, self.groups.tp_rank, self.groups.tp_size,
+                                          self.config.sequence_parallel)
+
+    def _stage_routing(self, model, host_mb: PackedBatch, mb: PackedBatch) -> tuple[list, torch.Tensor | None]:
+        """This stage's routers in ``model`` and the rollout's experts for them: the
+        micro-batch's routed_experts [T, num_layers, K] cut to this stage's MoE layers and
+        to the tokens this rank's routers see (None without the field or routers)."""
+        if id(model) not in self._routers_of:
+            self._routers_of[id(model)] = router_replay.stage_routers(model)
+        routers = self._routers_of[id(model)]
+        experts = mb.fields.get(router_replay.FIELD)
+        if not routers or experts is None:
+            return routers, None
+        shape, want = tuple(host_mb.fields[router_replay.FIELD].shape), (self.args.num_layers, self.args.moe_top_k)
+        if len(shape) == 2 and shape[1] == want[0] * want[1]:  # the rollout's [T, W] (trainer/dispatch.py)
+            experts, shape = experts.view(-1, *want), (shape[0], *want)
+        if len(shape) != 3 or shape[1:] != want:
+            raise ValueError(f"the batch's {router_replay.FIELD} field has shape {shape}; expected [tokens, "
+                             f"{want[0]} layers, {want[1]} experts] (the engines' format)")
+        assert len(routers) == len(self._stage_moe_layers), "one router per MoE layer of the stage"
+        return routers, self._local_tokens(experts[:, self._stage_moe_layers])
 
     def _logprobs(self, mb: PackedBatch, logits_1TV: torch.Tensor,
                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,15 +330,19 @@ class MegatronActor:
 
     def _run(self, micro_batches: list[PackedBatch], loss_func, forward_only: bool,
              model: torch.nn.Module | None = None):
-        return self._fb(
-            forward_step_func=partial(self._forward_step, loss_func),
-            data_iterator=iter(micro_batches),
-            model=[self.model if model is None else model],
-            num_microbatches=len(micro_batches),
-            seq_length=max(int(mb.input_ids.numel()) for mb in micro_batches),
-            micro_batch_size=1,
-            forward_only=forward_only,
-        )
+        module = self.model if model is None else model
+        try:
+            return self._fb(
+                forward_step_func=partial(self._forward_step, loss_func),
+                data_iterator=iter(micro_batches),
+                model=[module],
+                num_microbatches=len(micro_batches),
+                seq_length=max(int(mb.input_ids.numel()) for mb in micro_batches),
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+        finally:  # no replay target outlives the batch it came with
+            router_replay.stop(self._routers_of.get(id(module), []))
 
     @torch.no_grad()
     def compute_logprobs(self, batch: PackedBatch, temperature: float = 1.0,
@@ -309,7 +362,12 @@ class MegatronActor:
             logp, _ = self._logprobs(mb, logits, temperature)
             return logp.sum() * 0.0, {"logprobs": logp}
 
+        measure = model is None and router_replay.FIELD in batch.fields
+        # float64: counts stay exact past float32's 2^24 (tokens x MoE layers of a step)
+        self._router_counts = torch.zeros(2, dtype=torch.float64, device=self.device) if measure else None
         outputs = self._run(micro, loss_func, forward_only=True, model=module)
+        if model is None:
+            self.router_disagreement = self._reduce_router_counts() if measure else None
         out_T = torch.zeros(batch.input_ids.numel(), dtype=torch.float32, device=self.device)
         if g.is_last_stage:
             starts = batch.cu_seqlens_padded[:-1].tolist()
@@ -321,6 +379,17 @@ class MegatronActor:
         if model is None:
             self.model.train()
         return out_T
+
+    def _reduce_router_counts(self) -> float | None:
+        """The disagreement over every rank: DP ranks hold other sequences, PP stages other
+        layers, TP ranks under sequence parallelism other tokens (without it TP ranks count
+        the same entries, which scales both sums alike)."""
+        c, g = self._router_counts, self.groups
+        self._router_counts = None
+        for group in (g.dp, g.tp, g.pp):
+            collectives.all_reduce(c, group)
+        differing, compared = c.tolist()
+        return differing / compared if compared > 0 else None
 
     # ------------------------------------------------------------------ train
 
@@ -465,5 +534,5 @@ def _placeholder(batch: PackedBatch, n: int) -> PackedBatch:
     on when a minibatch has none of its sequences. ``n`` is the minibatch's sequence count
     over the DP group, so any micro-batch count another rank needs can be matched."""
     one = torch.zeros(1, dtype=batch.input_ids.dtype)
-    fields = {k: [torch.zeros(1, dtype=v.dtype)] * n for k, v in batch.fields.items()}
+    fields = {k: [torch.zeros(1, *v.shape[1:], dtype=v.dtype)] * n for k, v in batch.fields.items()}
     return pack([one] * n, fields, pad_to_multiple_of=batch.pad_to_multiple_of)

@@ -406,7 +406,7 @@ def _refused_before_start(config: str, overrides: list[str]) -> bool:
         if cfg.launch.stage == "sft" and cfg.sft is not None:
             check_model_folder("sft.base_model", cfg.sft.base_model, cfg.actor.parallel.ep)
         elif cfg.model_path:
-            check_model_folder("model_path", cfg.model_path, cfg.actor.parallel.ep)
+            check_model_folder("model_path", cfg.model_path, cfg.actor.parallel.ep, cfg.actor.router_replay)
     except ValueError as e:
         why = str(e)
     if why:

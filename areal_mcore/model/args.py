@@ -259,7 +259,7 @@ def folder_args(folder: str | Path) -> ModelArgs | None:
     return ModelArgs.from_hf(SimpleNamespace(**json.loads(config.read_text()))) if config.is_file() else None
 
 
-def check_model_folder(key: str, folder: str, ep: int = 1) -> None:
+def check_model_folder(key: str, folder: str, ep: int = 1, router_replay: bool = False) -> None:
     """Refuses, naming the key and the file, a model folder whose config.json the mapping
     cannot represent, or that ``actor.parallel.ep`` cannot split: run before any process
     starts, where the actor would only find out after the servers and ranks had started.
@@ -270,6 +270,14 @@ def check_model_folder(key: str, folder: str, ep: int = 1) -> None:
         raise ValueError(f"{key}={folder}: config.json: {e}") from None
     if args is not None:
         check_expert_parallel(args, ep)
+        check_router_replay(args, router_replay)
+
+
+def check_router_replay(args: ModelArgs, router_replay: bool) -> None:
+    """Raises naming ``actor.router_replay`` for a dense model: it has no routers to replay."""
+    if router_replay and not args.num_experts:
+        raise ValueError(f"actor.router_replay=true: {args.model_type} is a dense model (no experts to route); "
+                         f"set actor.router_replay=false")
 
 
 def check_expert_parallel(args: ModelArgs, ep_size: int, key: str = "actor.parallel.ep") -> None:

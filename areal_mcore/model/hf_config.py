@@ -133,6 +133,11 @@ def _moe_config(args: ModelArgs, tp_size: int, aux_loss_coeff: float, ep_size: i
         # keeps one named weight per expert for the adapter; grouped GEMM needs a GPU kernel.
         moe_grouped_gemm=False,
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
+        # Every router gets megatron's RouterReplay handle (router.py, TopKRouter.__init__);
+        # idle (no action) it is the plain top-k. The actor arms it to replay the rollout's
+        # experts (actor.router_replay) or to record its own for the disagreement stat
+        # (actor/router_replay.py).
+        moe_enable_routing_replay=True,
         moe_aux_loss_coeff=aux_loss_coeff,
     )
 

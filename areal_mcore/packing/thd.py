@@ -3,7 +3,8 @@
 Shape legend: B = sequences, T = packed tokens (padding included), B1 = B + 1.
 
 Every per-token tensor is aligned with ``input_ids``: position ``t`` of a field belongs
-to token ``t``. Optional padding rounds each sequence up to a multiple of ``N`` (TP × CP
+to token ``t`` (a field may carry more per token along trailing dims, e.g. the routed
+experts [T, moe_layers, top_k]). Optional padding rounds each sequence up to a multiple of ``N`` (TP × CP
 alignment for TransformerEngine); padded positions hold ``pad_token_id`` in
 ``input_ids`` and zero in every field, so a ``loss_mask`` field masks them out of the
 loss. ``cu_seqlens`` gives the true sequence boundaries, ``cu_seqlens_padded`` the
@@ -27,7 +28,7 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # [B1] int32, true lengths
     cu_seqlens_padded: torch.Tensor  # [B1] int32, layout of the packed row
     max_seqlen: int
-    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # each [T]
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # each [T] or [T, ...]
     pad_to_multiple_of: int = 1
 
     @property
@@ -83,8 +84,8 @@ def pack(
 
     Args:
         seqs: B 1-D integer tensors, each at least one token long.
-        fields: name -> B 1-D tensors, each as long as its sequence (loss_mask,
-            logprobs, versions, ...).
+        fields: name -> B tensors, each as long as its sequence along dim 0 (loss_mask,
+            logprobs, versions, ...; trailing dims are kept, e.g. routed_experts).
         pad_to_multiple_of: pad each sequence up to a multiple of this many tokens.
         pad_token_id: token id written into the padding.
 
@@ -104,8 +105,8 @@ def pack(
         if len(values) != len(seqs):
             raise ValueError(f"field {name!r} has {len(values)} entries for {len(seqs)} sequences")
         for i, (v, n) in enumerate(zip(values, lens)):
-            if v.shape != (n,):
-                raise ValueError(f"field {name!r} of sequence {i} has shape {tuple(v.shape)}, expected ({n},)")
+            if v.dim() < 1 or v.shape[0] != n:
+                raise ValueError(f"field {name!r} of sequence {i} has shape {tuple(v.shape)}, expected ({n}, ...)")
 
     m = pad_to_multiple_of
     padded = [-(-n // m) * m for n in lens]
@@ -116,9 +117,10 @@ def pack(
     def lay_out(parts: Sequence[torch.Tensor], fill) -> torch.Tensor:
         if m == 1:
             return torch.cat(list(parts))
-        out_T = torch.full((int(cu_padded_B1[-1]),), fill, dtype=parts[0].dtype, device=device)
+        out_T = torch.full((int(cu_padded_B1[-1]), *parts[0].shape[1:]), fill, dtype=parts[0].dtype,
+                           device=device)
         for start, part in zip(cu_padded_B1[:-1].tolist(), parts):
-            out_T[start : start + part.numel()] = part
+            out_T[start : start + part.shape[0]] = part
         return out_T
 
     position_ids_T = torch.cat([torch.arange(p, device=device) for p in padded])

@@ -26,6 +26,8 @@ import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from areal_mcore.rollout.engines import engine_for
 from areal_mcore.rollout.fleet import OK, Fleet, Server, TransientError
 from areal_mcore.rollout.protocol import RolloutError, SamplingParams
@@ -48,6 +50,8 @@ class ClientConfig:
     # with "Connection reset by peer" (seen on /init_weight_transfer_engine after a pause).
     keepalive_s: float = 2.0
     backend: str = "sglang"  # the servers' engine (rollout.server.backend)
+    # Ask for each completion's MoE routing (servers started with server.return_routed_experts).
+    return_routed_experts: bool = False
     stall_after_s: float = 300.0  # rollout.stall_after_s (see RolloutConfig)
     stall_probe_s: float = 30.0
     slow_factor: float = 10.0  # rollout.slow_request_factor (see RolloutConfig); 0: off
@@ -72,6 +76,9 @@ class Completion:
     versions: list[str] = field(default_factory=list)  # weight version of each output token
     finish_reason: dict | None = None
     attempts: int = 0  # failed attempts (failovers) along the way
+    # MoE routing of input + output tokens but the last (Chunk.routed_experts); None when not
+    # asked for, or when an attempt that generated tokens returned none (it would have gaps)
+    routed_experts: np.ndarray | None = None
 
 
 class _Retryable(Exception):
@@ -162,7 +169,8 @@ class RolloutClient:
                 min_new_tokens=max(0, sampling.min_new_tokens - len(c.output_ids)))
             server = await self._choose(failed, group)
             path, body = self.engine.generate_request(server, c.input_ids + c.output_ids,
-                                                      params, f"{c.rid}.{wire}")
+                                                      params, f"{c.rid}.{wire}",
+                                                      routed_experts=self.cfg.return_routed_experts)
             if not server.in_flight:  # a busy period starts: so does its stall clock
                 server.last_answer = time.monotonic()
             server.in_flight += 1
@@ -199,6 +207,10 @@ class RolloutClient:
             c.output_ids += chunk.output_ids
             c.logprobs += chunk.logprobs
             c.versions += chunk.versions
+            if self.cfg.return_routed_experts and (chunk.routed_experts is not None or chunk.output_ids):
+                # A resubmitted attempt prefills input + output so far again, so its routing
+                # covers the whole completion (the servers' current weights' choice).
+                c.routed_experts = chunk.routed_experts
             c.finish_reason = chunk.finish_reason
             if (c.finish_reason["type"] == "abort" and c.rid not in self._cancelled
                     and len(chunk.output_ids) < remaining):

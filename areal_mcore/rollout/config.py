@@ -39,6 +39,10 @@ class ServerConfig:
     # them in order). None: with CUDA, the GPUs after the trainer's (torchrun's
     # LOCAL_WORLD_SIZE ranks on GPUs 0..), never the trainer's own.
     gpus: list[int] | None = None
+    # MoE: start the servers keeping the experts each token was routed to
+    # (--enable-return-routed-experts of vLLM 0.32, SGLang 0.5.23 and the embedded server),
+    # for actor.router_replay and the moe/router_disagreement stat (docs/models.md).
+    return_routed_experts: bool = False
     # vLLM's own options (backend=vllm only).
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
 

@@ -39,12 +39,16 @@ import warnings
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from areal_mcore.checks import check_positive, field_error
 from areal_mcore.data.prompts import Prompt
 from areal_mcore.reward.pool import RewardItem
 from areal_mcore.rollout.client import Completion, RolloutClient
 from areal_mcore.rollout.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 RewardFn = Callable[[list[RewardItem]], Awaitable[list[float]]]  # e.g. RewardPool.ascore
 
@@ -128,6 +132,8 @@ class Sample:
     finish_reason: str  # stop | length | abort
     start_version: int  # trainer version when the group was admitted
     failovers: int = 0
+    # MoE routing the engine returned (rollout.client.Completion.routed_experts), or None
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass
@@ -231,7 +237,7 @@ class RolloutController:
         samples = [Sample(group=gid, prompt_ids=list(prompt.input_ids), output_ids=c.output_ids,
                           logprobs=c.logprobs, versions=_versions(c.versions),
                           reward=float(r), finish_reason=c.finish_reason["type"],
-                          start_version=start_version, failovers=c.attempts)
+                          start_version=start_version, failovers=c.attempts, routed_experts=c.routed_experts)
                    for c, r in zip(comps, rewards)]
         if self.on_group is not None:
             self.on_group(samples)

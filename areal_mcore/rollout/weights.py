@@ -1,10 +1,13 @@
 """Weights into a served model: receiving broadcast buckets, and loading HF-named tensors
 by name the way SGLang's ``load_weights`` does (rotary buffers skipped, a tied lm_head
-skipped, an unknown name or a shape mismatch is an error)."""
+skipped, an unknown name or a shape mismatch is an error). MoE experts arrive under the
+checkpoint files' per-expert names and land in transformers' stacked parameters
+(``stacked_target``)."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 
 import torch
@@ -69,6 +72,32 @@ class ReusableBuffer:
         return flat, [p.view(s) for p, s in zip(flat.split(sizes), shapes)]
 
 
+# HF checkpoint files name each expert (mlp.experts.{e}.{gate,up,down}_proj.weight); transformers
+# >= 5 stacks them in memory: Qwen3MoeExperts.gate_up_proj [E, 2 x I, H] (gate rows first: its
+# forward chunks the product in two) and down_proj [E, H, I] (modeling_qwen3_moe.py).
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stacked_target(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The slice of a stacked expert parameter that a per-expert checkpoint name fills (a
+    view: writing it writes the parameter); None for other names or unstacked models."""
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    p = params.get(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+    if p is None or e >= p.shape[0]:
+        return None
+    if proj == "down_proj":
+        return p.data[e]
+    half = p.shape[1] // 2
+    return p.data[e, :half] if proj == "gate_proj" else p.data[e, half:]
+
+
+def _param(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    return params[name] if name in params else stacked_target(params, name)
+
+
 def _skipped(model, name: str) -> bool:
     tied = getattr(model.config, "tie_word_embeddings", False)
     return "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
@@ -81,11 +110,11 @@ def check_weights(model, names: list[str], shapes: list[list[int]]) -> None:
     for name, shape in zip(names, shapes, strict=True):
         if _skipped(model, name):
             continue
-        if name not in params:
+        p = _param(params, name)
+        if p is None:
             errors.append(f"unknown weight {name!r}")
-        elif list(params[name].shape) != list(shape):
-            errors.append(f"{name}: shape {list(shape)} but the served model has "
-                          f"{list(params[name].shape)}")
+        elif list(p.shape) != list(shape):
+            errors.append(f"{name}: shape {list(shape)} but the served model has {list(p.shape)}")
     if errors:
         raise ValueError("; ".join(errors[:5]) + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
 
@@ -98,7 +127,9 @@ def receive_target(model, name: str, dtype: torch.dtype, shape) -> torch.Tensor 
     try:
         p = model.get_parameter(name)
     except AttributeError:
-        return None  # unknown: received, then refused by check_weights
+        p = stacked_target(dict(model.named_parameters()), name)
+        if p is None:
+            return None  # unknown: received, then refused by check_weights
     ok = p.dtype == dtype and list(p.shape) == list(shape) and p.is_contiguous()
     return p.data if ok else None
 
@@ -111,7 +142,8 @@ def load_weights(model, named: Iterable[tuple[str, torch.Tensor]]) -> int:
     for name, tensor in named:
         if _skipped(model, name):
             continue
-        if params[name].data_ptr() != tensor.data_ptr():  # not received in place
-            params[name].copy_(tensor)
+        p = _param(params, name)
+        if p.data_ptr() != tensor.data_ptr():  # not received in place
+            p.copy_(tensor)
         loaded += 1
     return loaded

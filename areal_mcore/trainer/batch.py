@@ -139,4 +139,6 @@ def _per_sequence(shard: RolloutShard) -> tuple[list[torch.Tensor], dict[str, li
     split = partial(torch.split, split_size_or_sections=lens)
     fields = {"loss_mask": list(split(mask_T)), "behave": list(split(behave_T)),
               "versions": list(split(versions_T)), "empty_response": list(split(empty_T))}
+    if shard.routed.numel():  # [T, W]: the actor views it as [T, num_hidden_layers, top_k]
+        fields["routed_experts"] = list(split(shard.routed.view(T, -1)))
     return list(split(shard.tokens.long())), fields

@@ -1,7 +1,8 @@
 """Rollout samples -> each data-parallel replica, as packed tensors.
 
 Legend: B samples of a replica, T their tokens (prompt + response, end to end), O their
-response tokens.
+response tokens, R their MoE routing entries (T x num_hidden_layers x top_k when any sample
+has routing, else 0).
 
 Global rank 0 holds the whole batch (Python lists from the rollout client). Replica ``d``
 trains on the prompt groups ``d, d + D, d + 2D, ...`` (D = data-parallel size). Rank 0
@@ -13,9 +14,9 @@ replica's samples, and nothing is pickled (the pickled broadcast of the whole ba
 whole world that this replaces cost 5.5 s to pickle and 8.4 s to unpickle on every rank
 for a boba-sized batch).
 
-Wire format, per replica: a header int64[3] = (B, T, O), then one uint8 buffer laid out as
+Wire format, per replica: a header int64[4] = (B, T, O, R), then one uint8 buffer laid out as
 prompt_lens int64[B] | output_lens int64[B] | tokens int32[T] | logprobs float32[O] |
-versions int32[O] | rewards float32[B] | truncated int32[B]; every part starts 4-byte
+versions int32[O] | rewards float32[B] | truncated int32[B] | routed int16[R]; every part starts 4-byte
 aligned (the int64 parts come first), so the receiver takes zero-copy dtype views.
 Buffers are sent from and received on the device the group's backend serves
 (``collectives``): the GPU under NCCL.
@@ -36,7 +37,7 @@ from areal_mcore import collectives
 
 _PARTS = (("prompt_lens", torch.int64, "B"), ("output_lens", torch.int64, "B"), ("tokens", torch.int32, "T"),
           ("logprobs", torch.float32, "O"), ("versions", torch.int32, "O"), ("rewards", torch.float32, "B"),
-          ("truncated", torch.int32, "B"))
+          ("truncated", torch.int32, "B"), ("routed", torch.int16, "R"))
 
 
 @dataclass
@@ -50,6 +51,11 @@ class RolloutShard:
     versions: torch.Tensor  # [O] int32: weight version that produced each response token
     rewards: torch.Tensor  # [B] float32
     truncated: torch.Tensor  # [B] int32: 1 where the server stopped at the length limit
+    # [R] int16: each token's routed experts ([T, W] flat, W = num_hidden_layers x top_k), -1
+    # where the engine returned none (a sample's last token, a sample without routing); empty
+    # when no sample has routing. int16: 768 bytes a token for Qwen3-30B-A3B's 48 layers x
+    # top-8 (vLLM sends uint8), and any expert id below 32768.
+    routed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int16))
 
     @property
     def num_samples(self) -> int:
@@ -71,7 +77,7 @@ class RolloutShard:
                        output_lens=torch.tensor([len(s.output_ids) for s in samples], dtype=torch.int64),
                        tokens=tokens, logprobs=logprobs, versions=versions,
                        rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
-                       truncated=_truncated(samples))
+                       truncated=_truncated(samples), routed=_routed(samples))
         chain = itertools.chain.from_iterable
 
         def flat(lists, dtype, n):
@@ -86,17 +92,18 @@ class RolloutShard:
             logprobs=flat((s.logprobs for s in samples), np.float32, n_o),
             versions=flat((s.versions for s in samples), np.int32, n_o),
             rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
-            truncated=_truncated(samples))
+            truncated=_truncated(samples), routed=_routed(samples))
 
     def header(self) -> torch.Tensor:
-        return torch.tensor([self.num_samples, self.tokens.numel(), self.logprobs.numel()], dtype=torch.int64)
+        return torch.tensor([self.num_samples, self.tokens.numel(), self.logprobs.numel(), self.routed.numel()],
+                            dtype=torch.int64)
 
     def to_bytes(self) -> torch.Tensor:
         return torch.cat([getattr(self, name).contiguous().view(torch.uint8) for name, _, _ in _PARTS])
 
     @classmethod
     def from_bytes(cls, header: torch.Tensor, buffer: torch.Tensor) -> RolloutShard:
-        sizes = dict(zip("BTO", header.tolist()))
+        sizes = dict(zip("BTOR", header.tolist()))
         parts, offset = {}, 0
         for name, dtype, dim in _PARTS:
             n = sizes[dim] * dtype.itemsize
@@ -106,12 +113,37 @@ class RolloutShard:
 
     @staticmethod
     def nbytes_of(header: torch.Tensor) -> int:
-        sizes = dict(zip("BTO", header.tolist()))
+        sizes = dict(zip("BTOR", header.tolist()))
         return sum(sizes[dim] * dtype.itemsize for _, dtype, dim in _PARTS)
 
 
 def _truncated(samples) -> torch.Tensor:
     return torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.int32)
+
+
+def _routed(samples) -> torch.Tensor:
+    """The samples' routing as [T, W] int16, flat (see ``RolloutShard.routed``). An engine
+    returns rows for every token but the last (vLLM: [n - 1, layers, top_k]; SGLang: the same
+    flat), so W is a returned array's size over n - 1; a sample without routing, or whose
+    array does not have n - 1 rows of W, gets -1 rows (its routers then choose as usual)."""
+    def rows(s) -> int:
+        return len(s.prompt_ids) + len(s.output_ids) - 1
+
+    got = [s for s in samples if getattr(s, "routed_experts", None) is not None and rows(s) > 0]
+    if not got:
+        return torch.zeros(0, dtype=torch.int16)
+    w = got[0].routed_experts.size // rows(got[0])
+    parts = []
+    for s in samples:
+        n = rows(s) + 1
+        r = getattr(s, "routed_experts", None)
+        part = np.full((n, w), -1, dtype=np.int16)
+        if r is not None and r.size == (n - 1) * w:
+            if r.max(initial=0) > np.iinfo(np.int16).max:
+                raise ValueError(f"expert id {int(r.max())} does not fit the dispatcher's int16 routing")
+            part[:n - 1] = r.reshape(n - 1, w)
+        parts.append(part)
+    return torch.from_numpy(np.concatenate(parts).reshape(-1))
 
 
 class SamplePacker:
@@ -193,7 +225,7 @@ class Dispatcher:
         under NCCL)."""
         st = DispatchStats()
         t0 = time.perf_counter()
-        headers = torch.empty(self.dp_size, 3, dtype=torch.int64)  # every replica's (B, T, O)
+        headers = torch.empty(self.dp_size, 4, dtype=torch.int64)  # every replica's (B, T, O, R)
         if self.rank == 0:
             shards = [RolloutShard.from_samples(part, packer)
                       for part in split_groups(samples, group_size, self.dp_size)]

@@ -106,6 +106,8 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             if ppo.prox_logp_method in ("recompute", "metrics"):
                 with phase("recompute"):  # π_prox before the update
                     batch.fields["prox"] = run.actor.compute_logprobs(batch, temperature=temperature)
+                if run.actor.router_disagreement is not None:  # MoE with the rollout's routing
+                    rollout_stats = {**rollout_stats, "moe/router_disagreement": run.actor.router_disagreement}
                 rollout_stats = {**rollout_stats, **run.check_drift(step, batch)}  # may end the run
             if run.ref_model is not None:
                 with phase("reference"):  # the frozen π_ref, at the same temperature

@@ -62,7 +62,8 @@ class RolloutSide:
                                                  stall_after_s=cfg.rollout.stall_after_s,
                                                  stall_probe_s=cfg.rollout.stall_probe_s,
                                                  slow_factor=cfg.rollout.slow_request_factor,
-                                                 min_deadline_s=cfg.rollout.min_request_deadline_s))
+                                                 min_deadline_s=cfg.rollout.min_request_deadline_s,
+                                                 return_routed_experts=cfg.server.return_routed_experts))
         self.loop.run(self.client.start())
         self.decode = partial(tokenizer.decode, skip_special_tokens=True)
         self.controller = RolloutController(cfg.rollout, self.client,

