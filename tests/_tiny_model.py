@@ -103,3 +103,27 @@ def hf_seq_logprobs(model, seqs: list[torch.Tensor]) -> torch.Tensor:
             lp[1:] = model(s[None]).logits[0, :-1].log_softmax(-1).gather(1, s[1:, None]).squeeze(1)
             out.append(lp)
     return torch.cat(out)
+
+
+def task_assets(tmp_path, arch: str, **model_kw) -> dict[str, str]:
+    """The tiny boba task (``data/tiny_assets.py``: train/test sets, tokenizer and chat
+    template) with a random ``tiny_model(arch, **model_kw)`` under its tokenizer, for PPO
+    runs of an architecture: ``assets["model"]`` is the model folder."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=16, n_test=4,
+                                                hidden_size=32, intermediate_size=64, num_layers=1))
+    tok_dir, model_dir = Path(assets["model"]), tmp_path / arch
+    vocab = json.loads((tok_dir / "config.json").read_text())
+    _, _, model = tiny_model(arch, seed=1, vocab=vocab["vocab_size"], **model_kw)
+    model.config.eos_token_id = model.generation_config.eos_token_id = vocab["eos_token_id"]
+    model.config.pad_token_id = vocab["pad_token_id"]
+    model.save_pretrained(model_dir)
+    for f in tok_dir.iterdir():  # the tokenizer's files and chat template
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "generation_config.json"):
+            shutil.copy(f, model_dir)
+    return {**assets, "model": str(model_dir)}

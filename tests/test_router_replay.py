@@ -14,7 +14,7 @@ import pytest
 import torch
 from _actor_setup import VOCAB
 from _dist import run_gloo
-from _tiny_model import eval_seqs, hf_seq_logprobs, tiny_model
+from _tiny_model import eval_seqs, hf_seq_logprobs, task_assets, tiny_model
 
 from areal_mcore.packing import pack
 
@@ -380,28 +380,6 @@ def test_rollout_routing_reaches_the_batch_as_a_per_token_field_through_dispatch
 # --------------------------------------------------------------------------- the PPO loop
 
 
-def _moe_assets(tmp_path) -> dict[str, str]:
-    """The tiny task with the tiny random Qwen3-MoE under its tokenizer."""
-    import json
-    import shutil
-    from pathlib import Path
-
-    from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
-
-    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=16, n_test=4,
-                                                hidden_size=32, intermediate_size=64, num_layers=1))
-    tok_dir, model_dir = Path(assets["model"]), tmp_path / ARCH
-    vocab = json.loads((tok_dir / "config.json").read_text())
-    _, _, model = tiny_model(ARCH, seed=1, vocab=vocab["vocab_size"])
-    model.config.eos_token_id = model.generation_config.eos_token_id = vocab["eos_token_id"]
-    model.config.pad_token_id = vocab["pad_token_id"]
-    model.save_pretrained(model_dir)
-    for f in tok_dir.iterdir():  # the tokenizer's files and chat template
-        if f.suffix != ".safetensors" and f.name not in ("config.json", "generation_config.json"):
-            shutil.copy(f, model_dir)
-    return {**assets, "model": str(model_dir)}
-
-
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.server
@@ -415,7 +393,7 @@ def test_ppo_with_router_replay_on_the_embedded_server_logs_the_disagreement(tmp
 
     steps = 2
     overrides = _overrides(
-        _moe_assets(tmp_path), tmp_path, "replay", "actor.parallel.tp=2", "actor.router_replay=true",
+        task_assets(tmp_path, ARCH), tmp_path, "replay", "actor.parallel.tp=2", "actor.router_replay=true",
         "server.return_routed_experts=true", "server.context_length=256", "rollout.temperature=0.7",
         "rollout.n_samples=2", "rollout.max_new_tokens=12", "ppo.use_decoupled_loss=true",
         "ppo.reward_norm.group_size=2", "actor.optimizer.lr=1e-3", f"trainer.total_steps={steps}")

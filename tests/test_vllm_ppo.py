@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from _dist import run_gloo
-from _tiny_model import VLLM_SHAPE, tiny_model
+from _tiny_model import VLLM_SHAPE, task_assets
 from _vllm import require_vllm
 
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
@@ -84,23 +82,6 @@ def _trajectory(rows: list[dict]) -> str:
     return "; ".join(out)
 
 
-def _arch_assets(tmp_path, arch: str, tie: bool) -> dict[str, str]:
-    """The tiny task with a random ``arch`` model (vLLM's head_dim 32) under its tokenizer."""
-    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=16, n_test=4,
-                                                hidden_size=32, intermediate_size=64, num_layers=1))
-    tok_dir, model_dir = Path(assets["model"]), tmp_path / arch
-    vocab = json.loads((tok_dir / "config.json").read_text())
-    moe = {"moe": {"mlp_only_layers": []}} if arch == "qwen3_moe" else {}  # both layers MoE
-    _, _, model = tiny_model(arch, seed=1, layers=2, vocab=vocab["vocab_size"], tie=tie, **VLLM_SHAPE, **moe)
-    model.config.eos_token_id = model.generation_config.eos_token_id = vocab["eos_token_id"]
-    model.config.pad_token_id = vocab["pad_token_id"]
-    model.save_pretrained(model_dir)
-    for f in tok_dir.iterdir():  # the tokenizer's files and chat template
-        if f.suffix != ".safetensors" and f.name not in ("config.json", "generation_config.json"):
-            shutil.copy(f, model_dir)
-    return {**assets, "model": str(model_dir)}
-
-
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("arch, tie, sync, layout", [
@@ -120,8 +101,9 @@ def test_each_architecture_trains_on_vllm_and_samples_as_the_actor_scores(tmp_pa
     from test_ppo_e2e import _overrides, _ppo_worker
 
     python, steps = require_vllm(), 2
+    moe = {"moe": {"mlp_only_layers": []}} if arch == "qwen3_moe" else {}  # both layers MoE
     overrides = _overrides(
-        _arch_assets(tmp_path, arch, tie), tmp_path, arch, "server.backend=vllm", f"server.python={python}",
+        task_assets(tmp_path, arch, layers=2, tie=tie, **VLLM_SHAPE, **moe), tmp_path, arch, "server.backend=vllm", f"server.python={python}",
         f"weight_sync.mode={sync}", f"weight_sync.disk_dir={tmp_path / 'export'}",
         "server.vllm.enforce_eager=true", "server.context_length=256", layout,
         "rollout.temperature=0.7", "rollout.n_samples=2", "rollout.max_new_tokens=12",
