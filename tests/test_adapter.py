@@ -175,7 +175,9 @@ def _te_spec_worker(rank, world, arch):
     hf_config, state, hf = tiny_model(arch, vocab=250)
     args = ModelArgs.from_hf(hf_config)
     init_parallel(ParallelConfig(), seed=1)
-    config = transformer_config(args, tp_size=1, pp_size=1, params_dtype=torch.float32)
+    # The actor's TE spec runs an MoE model's experts as grouped GEMMs (TEGroupedMLP).
+    config = transformer_config(args, tp_size=1, pp_size=1, params_dtype=torch.float32,
+                                moe_grouped_gemm=bool(args.num_experts))
     vocab = padded_vocab_size(args.vocab_size, 1, divisible_by=8)
     with te_spec_on_cpu():
         model = build_gpt_model(args, config, padded_vocab=vocab, use_te=True, pre_process=True,
@@ -189,8 +191,9 @@ def _te_spec_worker(rank, world, arch):
         got = model(ids, torch.arange(12)[None], attention_mask=None)[0, :, :250]
         want = hf(ids).logits[0]
     local = build_gpt_model(args, config, padded_vocab=vocab, use_te=False, pre_process=True, post_process=True)
-    saved = [sorted(v.key for v in m.sharded_state_dict().values() if "_extra_state" not in v.key)
-             for m in (model, local)]
+    # Grouped experts' checkpoint keys come from TE's GroupedLinear, not stood in (_te_standin.py).
+    saved = [sorted(v.key for v in m.sharded_state_dict().values()
+                    if "_extra_state" not in v.key and ".mlp.experts." not in v.key) for m in (model, local)]
     return ([n for n, _ in model.named_parameters()], {k: torch.equal(back[k], v) for k, v in state.items()},
             float((got - want).abs().max()), saved)
 
@@ -201,7 +204,8 @@ def test_the_te_specs_fused_norm_weights_load_from_hf_and_export_back(arch):
     (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); Qwen3's q/k norms
     stay modules of their own. Built here from megatron's own TE spec with CPU stand-ins of
     TE's modules (tests/_te_standin.py): HF weights load into it, export back bitwise and
-    give transformers' logits."""
+    give transformers' logits. Its MoE experts are megatron's TEGroupedMLP, whose GEMMs name
+    expert e's weights ``mlp.experts.linear_fc{1,2}.weight{e}``."""
     from _dist import run_gloo
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -221,5 +225,8 @@ def test_the_te_specs_fused_norm_weights_load_from_hf_and_export_back(arch):
                        if arch == "qwen3_moe" else [])
     qk = {"decoder.layers.0.self_attention.q_layernorm.weight", "decoder.layers.0.self_attention.k_layernorm.weight"}
     assert (qk <= set(names)) == arch.startswith("qwen3")
+    grouped = sorted(n for n in names if ".mlp.experts." in n)
+    assert grouped == ([f"decoder.layers.{i}.mlp.experts.linear_fc{j}.weight{e}"
+                        for i in (0, 1, 3) for j in (1, 2) for e in range(8)] if arch == "qwen3_moe" else [])
     assert all(exported.values()), [k for k, ok in exported.items() if not ok]
     assert err <= 1e-4, err

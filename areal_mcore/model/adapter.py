@@ -99,6 +99,15 @@ PARAMS: tuple[ParamMap, ...] = (
 TE_FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
                   "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 _LAYER = re.compile(r"(decoder\.layers\.(?:\d+\.)?)(.*)")
+# On a GPU the TE spec runs an MoE layer's experts as megatron's TEGroupedMLP (grouped GEMM,
+# model/hf_config.py): one TE GroupedLinear per projection, which registers expert e's
+# weight as ``weight{e}`` (transformer_engine/pytorch/module/grouped_linear.py; megatron's
+# TEGroupedLinear keeps TE's names, extensions/transformer_engine.py). Each ``weight{e}`` has
+# the layout of SequentialMLP's ``local_experts.{e}.linear_fc{1,2}.weight`` (the expert-TP
+# split is done outside TE, ``explicit_expert_comm``), and megatron saves both under the
+# same checkpoint keys (experts.py, TEGroupedMLP.sharded_state_dict: "interchangable with
+# SequentialMLP's"), so only the in-memory name differs.
+_GROUPED = re.compile(r"(.*mlp\.experts\.)(linear_fc[12]\.weight)(\d+)")
 
 
 def _renamed(name: str, mapping: dict[str, str]) -> str:
@@ -116,7 +125,10 @@ def te_name(name: str) -> str:
 
 
 def local_name(name: str) -> str:
-    """The PARAMS name of a megatron parameter name of either spec."""
+    """The PARAMS name of a megatron parameter name of either spec (grouped experts too)."""
+    m = _GROUPED.fullmatch(name)
+    if m:
+        return f"{m[1]}local_experts.{m[3]}.{m[2]}"
     return _renamed(name, {te: local for local, te in TE_FUSED_NORMS.items()})
 
 

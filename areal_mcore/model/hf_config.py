@@ -31,7 +31,8 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
                        sequence_parallel: bool = False, first_stage_layers: int | None = None,
                        last_stage_layers: int | None = None, on_gpu: bool = False,
                        fused: bool = False, gradient_accumulation_fusion: bool = False,
-                       moe_aux_loss_coeff: float = 0.0, ep_size: int = 1) -> TransformerConfig:
+                       moe_aux_loss_coeff: float = 0.0, ep_size: int = 1,
+                       moe_grouped_gemm: bool = False) -> TransformerConfig:
     """The megatron config for ``args`` under the given parallelism.
 
     ``recompute`` turns on activation recomputation: ``full`` reruns each layer's forward
@@ -44,6 +45,8 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
     megatron's per-micro-batch load-balancing loss of an MoE model (0: none; the actor
     passes none, ``args.router_aux_loss_coef`` only records the checkpoint's value).
     ``ep_size``: expert parallelism (each rank builds ``num_experts / ep_size`` experts).
+    ``moe_grouped_gemm``: an MoE layer's local experts as one grouped GEMM per projection
+    (megatron's TEGroupedMLP; with TE's layer spec, block_spec reads it).
     """
     check_expert_parallel(args, ep_size)
     stage_layer_counts(args.num_layers, pp_size, first_stage_layers, last_stage_layers)  # validates
@@ -58,7 +61,7 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
         recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute:
         recompute_kw = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
-    moe_kw = _moe_config(args, tp_size, moe_aux_loss_coeff, ep_size) if args.num_experts else {}
+    moe_kw = _moe_config(args, tp_size, moe_aux_loss_coeff, ep_size, moe_grouped_gemm) if args.num_experts else {}
     uneven_kw = {}
     if pp_size > 1:  # megatron rejects these keys without pipeline parallelism
         uneven_kw = dict(num_layers_in_first_pipeline_stage=first_stage_layers,
@@ -103,7 +106,8 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
     )
 
 
-def _moe_config(args: ModelArgs, tp_size: int, aux_loss_coeff: float, ep_size: int) -> dict:
+def _moe_config(args: ModelArgs, tp_size: int, aux_loss_coeff: float, ep_size: int,
+                grouped_gemm: bool) -> dict:
     """TransformerConfig's MoE keys reproducing transformers' Qwen3MoeSparseMoeBlock.
 
     HF (modeling_qwen3_moe.py, Qwen3MoeTopKRouter.forward): softmax over all experts' logits
@@ -129,9 +133,10 @@ def _moe_config(args: ModelArgs, tp_size: int, aux_loss_coeff: float, ep_size: i
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not args.norm_topk_prob,
         moe_layer_freq=args.moe_layer_pattern(),
-        # Experts as a SequentialMLP of ordinary (column/row-parallel) MLPs: runs on CPU and
-        # keeps one named weight per expert for the adapter; grouped GEMM needs a GPU kernel.
-        moe_grouped_gemm=False,
+        # TE's spec: the local experts of a layer in one grouped GEMM per projection
+        # (TEGroupedMLP), what makes 128 small experts fast on a GPU; the local spec (CPU):
+        # a SequentialMLP of ordinary column/row-parallel MLPs. block_spec reads this.
+        moe_grouped_gemm=grouped_gemm,
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
         # Every router gets megatron's RouterReplay handle (router.py, TopKRouter.__init__);
         # idle (no action) it is the plain top-k. The actor arms it to replay the rollout's
@@ -142,16 +147,19 @@ def _moe_config(args: ModelArgs, tp_size: int, aux_loss_coeff: float, ep_size: i
     )
 
 
-def layer_spec(use_te: bool, qk_layernorm: bool = False, num_experts: int | None = None) -> ModuleSpec:
+def layer_spec(use_te: bool, qk_layernorm: bool = False, num_experts: int | None = None,
+               grouped_gemm: bool = False) -> ModuleSpec:
     """TransformerEngine's spec when TE is usable, else the local spec + THD CPU attention
     and an RMSNorm that supports sequence parallelism (model/norm.py says why).
 
     ``qk_layernorm`` adds the per-head q/k norms; both specs name them
     ``self_attention.{q,k}_layernorm.weight`` (TE does not fuse them into a linear).
-    ``num_experts`` makes the MLP megatron's MoELayer (``mlp.router`` and a SequentialMLP
-    of ``mlp.experts.local_experts.{e}``); None: a dense MLP."""
+    ``num_experts`` makes the MLP megatron's MoELayer: ``mlp.router`` and, with
+    ``grouped_gemm`` (TE only), a TEGroupedMLP (``mlp.experts.linear_fc{1,2}.weight{e}``),
+    else a SequentialMLP (``mlp.experts.local_experts.{e}``); None: a dense MLP. The adapter
+    reads both (adapter.local_name)."""
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm,
                                                           qk_layernorm=qk_layernorm)
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
                                     qk_layernorm=qk_layernorm)
@@ -184,7 +192,7 @@ def block_spec(config: TransformerConfig, use_te: bool, pp_rank: int) -> ModuleS
     dense = layer_spec(use_te, config.qk_layernorm)
     n = get_num_layers_to_build(config, pp_rank=pp_rank)
     if config.num_moe_experts:
-        moe = layer_spec(use_te, config.qk_layernorm, config.num_moe_experts)
+        moe = layer_spec(use_te, config.qk_layernorm, config.num_moe_experts, config.moe_grouped_gemm)
         offset = sum(get_num_layers_to_build(config, pp_rank=r) for r in range(pp_rank))
         layers = [moe if config.moe_layer_freq[offset + i] else dense for i in range(n)]
     else:
