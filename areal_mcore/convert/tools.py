@@ -93,10 +93,13 @@ def _progress(iterable, total: int, unit: str, enabled: bool):
     return tqdm(iterable, total=total, unit=unit)
 
 
-def verify_hf_folder(folder: str | Path, reader: McoreCheckpointReader, n_tokens: int = 16,
+def verify_hf_folder(folder: str | Path, reader: McoreCheckpointReader, n_tokens: int = 64,
                      atol: float = 1e-3) -> float:
     """Max |logit difference| between transformers on ``folder`` and the megatron model
-    holding the checkpoint's weights, on random tokens; raises above ``atol``."""
+    holding the checkpoint's weights, on random tokens; raises above ``atol``.
+
+    64 tokens, since RoPE scaling (Llama 3) changes only the slow frequencies: on the tiny
+    llama3 of the tests, dropping it moves the logits by 1.2e-3 at 16 tokens, 7e-3 at 64."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True,
