@@ -260,6 +260,60 @@ def test_moe_weight_sync_plan_at_ep2_names_every_expert_once(ep_rank):
     assert all(f"experts.{4 * u.ep_rank + int(u.mcore.split('local_experts.')[1][0])}." in u.hf[0][0] for u in units)
 
 
+def _ep_sync_buckets_on_fake_cuda(rank, world):
+    """The distributed sync's gather and pack of an EP=2 model whose weights are on an
+    (emulated) GPU, over an NCCL-like EP group, with flattened buckets (the NCCL wire)."""
+    import torch.distributed as dist
+    from _fake_cuda import FakeCuda, is_fake_cuda, nccl_like
+
+    from areal_mcore.rollout.weights import ReusableBuffer
+    from areal_mcore.weight_sync.buckets import make_plan
+    from areal_mcore.weight_sync.distributed import DistributedSync
+    from areal_mcore.weight_sync.syncer import SyncStats
+
+    _, state, _ = tiny_model(ARCH, vocab=VOCAB)
+    args = ModelArgs.from_hf(_config())
+    shard = adapter.from_hf(state, args, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, padded_vocab=256,
+                            ep_rank=rank, ep_size=2)
+    plan = make_plan({n: t.shape for n, t in shard.items()}, args, tp_size=1, pp_rank=0, pp_size=1,
+                     dtype="float32", bucket_bytes=1 << 15, ep_size=2)
+    ep = dist.new_group([0, 1])
+    log = nccl_like(setattr, ep)
+    got, on_gpu = {}, []
+    with FakeCuda():
+        weights = {n: t.to("cuda") for n, t in shard.items()}
+        syncer = SimpleNamespace(  # what _collect and _pack read of a DistributedSync
+            g=SimpleNamespace(ep=ep, ep_rank=rank, ep_size=2, tp=None, tp_size=1, pp_rank=0, pp_size=1),
+            actor=SimpleNamespace(args=args, model=SimpleNamespace(module=SimpleNamespace(
+                named_parameters=weights.items))),
+            _buffers=(ReusableBuffer("cuda"), ReusableBuffer("cuda")), _flatten=lambda: True)
+        for i in range(len(plan.buckets)):
+            stats = SyncStats()
+            shards = DistributedSync._collect(syncer, plan, i, stats)
+            (flat,) = DistributedSync._pack(syncer, plan, i, shards, stats)
+            # No host round trip: collectives would stage a CPU tensor onto the group's device
+            # and back, correct but a copy of every expert through host memory.
+            on_gpu.append(all(map(is_fake_cuda, shards[0])) and is_fake_cuda(flat))
+            names, shapes = plan.bucket_meta(i)
+            parts = flat.cpu().view(torch.float32).split([torch.Size(s).numel() for s in shapes])
+            got.update({n: p.view(s) for n, p, s in zip(names, parts, shapes, strict=True)})
+    return got, on_gpu, log.count("broadcast")
+
+
+@pytest.mark.multirank
+def test_moe_distributed_sync_at_ep2_gathers_every_expert_from_gpu_weights_over_an_nccl_like_group():
+    """At EP=2 each expert weight of the other EP rank is broadcast by its owner over the EP
+    group before it is packed. On a GPU that group is NCCL, which refuses CPU tensors: the
+    weights here are on an emulated CUDA device (tests/_fake_cuda.py) and the EP group
+    refuses anything else, as NCCL does. Every bucket comes out on the device, and every HF
+    tensor of the model comes out bitwise on both EP ranks."""
+    _, state, _ = tiny_model(ARCH, vocab=VOCAB)
+    units = 2 * sum(".mlp.experts." in k and k.endswith("down_proj.weight") for k in state)  # fc1, fc2
+    for got, on_gpu, broadcasts in run_gloo(_ep_sync_buckets_on_fake_cuda, 2):
+        assert all(on_gpu) and broadcasts == units  # one per expert unit of either EP rank
+        assert set(got) == set(state) and all(torch.equal(got[k], v) for k, v in state.items())
+
+
 def test_moe_args_read_transformers_5_and_released_config_json_alike(tmp_path):
     """transformers 5 writes ``num_local_experts`` (Qwen3MoeConfig.attribute_map); the
     released Qwen3-MoE config.json files say ``num_experts``."""

@@ -52,16 +52,14 @@ from areal_mcore.weight_sync.transport import open_group
 
 
 def distributed_roles(g) -> Roles:
-    """Replica 0 takes part (the others hold the same weights); each stage's head sends.
+    """One whole copy of the model takes part (the others hold the same weights); each
+    stage's head sends.
 
-    With expert parallelism a replica's experts are spread over EP ranks that are other
-    data-parallel ranks: the ranks of expert-data-parallel rank 0 (one whole copy of the
-    model, experts included: megatron's expert-TP x EP x PP group) take part, and the
-    head of EP rank 0 sends. At EP=1 these are replica 0's TP x PP ranks."""
-    if g.ep_size == 1:
-        sender = g.dp_rank == 0 and g.tp_rank == 0
-        return Roles(participates=g.dp_rank == 0, sender=sender, coordinator=sender and g.pp_rank == 0,
-                     group=g.mp)
+    With expert parallelism a copy's experts are spread over EP ranks that are other
+    data-parallel ranks: the copy is megatron's expert-TP x EP x PP group of expert-data-
+    parallel rank 0, and the head of its EP rank 0 sends. At EP=1 (expert-TP = TP) that
+    group has the ranks of replica 0's TP x PP group and expert-DP ranks are DP ranks
+    (checked at TP/PP 1-2 on 4 ranks, megatron-core 0.16.1 and 0.19.2)."""
     participates = g.expert_dp_rank == 0
     sender = participates and g.ep_rank == 0 and g.tp_rank == 0
     return Roles(participates=participates, sender=sender, coordinator=sender and g.pp_rank == 0,
