@@ -2,8 +2,9 @@
 
 ``tiny_model(arch)`` builds each architecture the model layer supports: ``qwen2`` (the
 boba models; ``tiny_qwen2`` is it), ``qwen3`` (per-head q/k norms, a ``head_dim`` other
-than hidden/heads), ``llama3`` (LLaMA with Llama 3.1's RoPE scaling) and ``qwen3_moe``
-(8 experts, top-2, renormalised; layer 2 of 4 dense via ``mlp_only_layers``).
+than hidden/heads), ``llama3`` (LLaMA with Llama 3.1's RoPE scaling), ``qwen3_moe``
+(8 experts, top-2, renormalised; layer 2 of 4 dense via ``mlp_only_layers``) and
+``qwen2_moe`` (the same experts, not renormalised as in Qwen1.5-MoE, plus a gated shared expert).
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import torch
 # head_dim-16 model within 100 positions (Llama 3's own theta, 500000).
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-ARCHS = ("qwen2", "qwen3", "llama3", "qwen3_moe")
+ARCHS = ("qwen2", "qwen3", "llama3", "qwen3_moe", "qwen2_moe")
 # The MoE model's experts: its dense layer (mlp_only_layers) is the first layer of the second
 # pipeline stage at pp=2, so a stage's local layer indices must find the right global ones.
 MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
        "mlp_only_layers": [2], "decoder_sparse_step": 1}
+QWEN2_MOE = {**MOE, "norm_topk_prob": False, "shared_expert_intermediate_size": 48}
 
 
 def _config(arch: str, rope_parameters: dict | None, moe: dict | None = None, head_dim: int | None = None,
             **common):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     if arch == "qwen2":
         return Qwen2Config(**common, rope_theta=10000.0, use_sliding_window=False)
@@ -32,6 +34,8 @@ def _config(arch: str, rope_parameters: dict | None, moe: dict | None = None, he
     if arch == "qwen3_moe":  # head_dim 32 != hidden 64 / 4 heads
         return Qwen3MoeConfig(**common, **{**MOE, **(moe or {})}, head_dim=head_dim or 32, rope_theta=10000.0,
                               use_sliding_window=False)
+    if arch == "qwen2_moe":  # head_dim: hidden / heads, as Qwen2MoeConfig has no head_dim
+        return Qwen2MoeConfig(**common, **{**QWEN2_MOE, **(moe or {})}, rope_theta=10000.0, use_sliding_window=False)
     if arch == "llama3":  # Llama 3.1's max_position_embeddings (transformers warns below 8192)
         return LlamaConfig(**{**common, "max_position_embeddings": 131072},
                            rope_parameters=dict(rope_parameters or LLAMA3_ROPE))
@@ -44,7 +48,8 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, *, tie: bool = False, layers:
                moe: dict | None = None, head_dim: int | None = None):
     """(hf_config, state_dict, model) of a seeded random model of ``arch`` in fp32, eval mode.
 
-    ``rope_parameters`` overrides llama3's RoPE settings, ``moe`` keys of qwen3_moe's ``MOE``.
+    ``rope_parameters`` overrides llama3's RoPE settings, ``moe`` keys of qwen3_moe's ``MOE``
+    (qwen2_moe's ``QWEN2_MOE``).
     ``qk_gain`` scales the q/k projections: at HF's init (std 0.02) attention is near uniform and hardly sees positions,
     so a wrong RoPE would change logprobs by only ~1e-4; a gain of 8 makes it ~1e-2.
     The default head_dim is 16 (24 for qwen3, 32 for qwen3_moe, or ``head_dim``); vLLM's CPU

@@ -95,7 +95,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 
 @pytest.mark.parametrize("config, line", [
-    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; use one of ['qwen2', 'llama', 'qwen3', 'qwen3_moe']"),
+    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; use one of ['qwen2', 'llama', 'qwen3', 'qwen3_moe', 'qwen2_moe']"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      "rope_scaling.rope_type='yarn' is not supported; use one of ['default', 'llama3']"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},  # the pre-4.45 spelling of rope_type

@@ -26,16 +26,16 @@ from areal_mcore.packing import pack
 ARCH = "qwen3_moe"
 
 
-def _hf_logprobs(shape) -> torch.Tensor:
+def _hf_logprobs(shape, arch=ARCH) -> torch.Tensor:
     """transformers' per-token logprobs of each sequence alone (0 at its first token)."""
-    _, _, hf = tiny_model(ARCH, vocab=VOCAB, **shape)
+    _, _, hf = tiny_model(arch, vocab=VOCAB, **shape)
     return hf_seq_logprobs(hf, eval_seqs(VOCAB))
 
 
-def _worker(rank, world, tp, pp, shape, ep=1):
+def _worker(rank, world, tp, pp, shape, ep=1, arch=ARCH):
     from _actor_setup import tiny_actor
 
-    actor = tiny_actor(tp=tp, pp=pp, arch=ARCH, shape=shape, ep=ep)
+    actor = tiny_actor(tp=tp, pp=pp, arch=arch, shape=shape, ep=ep)
     logp = actor.compute_logprobs(pack(eval_seqs(VOCAB)))
     loaded = actor.hf_state_dict()  # collective over TP (and EP)
     s = train_seqs()
@@ -48,14 +48,15 @@ def _worker(rank, world, tp, pp, shape, ep=1):
 
 @pytest.fixture(scope="module")
 def run():
-    """run(tp, pp, norm, ep): each rank's (logprobs, HF weights loaded, HF weights trained)."""
+    """run(tp, pp, norm, ep, arch): each rank's (logprobs, HF weights loaded, HF weights trained)."""
     cache = {}
 
-    def get(tp, pp, norm=True, ep=1):
-        if (tp, pp, norm, ep) not in cache:
+    def get(tp, pp, norm=True, ep=1, arch=ARCH):
+        key = tp, pp, norm, ep, arch
+        if key not in cache:
             world = max(2, tp * pp * ep)  # EP comes out of data parallelism (expert-TP = TP)
-            cache[tp, pp, norm, ep] = run_gloo(_worker, world, tp, pp, _shape(norm), ep)
-        return cache[tp, pp, norm, ep]
+            cache[key] = run_gloo(_worker, world, tp, pp, _shape(norm), ep, arch)
+        return cache[key]
     return get
 
 
@@ -165,11 +166,46 @@ def test_moe_train_step_at_tp2_equals_pp2(run):
     assert rel[worst] <= 1e-4, f"{worst}: relative difference {rel[worst]:.2e}"
 
 
+# --------------------------------------------------------------------------- Qwen2-MoE
+# The same experts (not renormalised, as in Qwen1.5-MoE) plus a shared expert every token
+# passes, scaled by sigmoid(shared_expert_gate(x)): megatron's SharedExpertMLP with a gate.
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp, pp, ep", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)])
+def test_qwen2_moe_round_trips_bitwise_and_matches_transformers(run, tp, pp, ep):
+    _, state, _ = tiny_model("qwen2_moe", vocab=VOCAB)
+    assert {"model.layers.3.mlp.shared_expert.down_proj.weight", "model.layers.3.mlp.shared_expert_gate.weight",
+            "model.layers.0.self_attn.q_proj.bias"} <= set(state)
+    want = _hf_logprobs({}, "qwen2_moe")
+    results = run(tp, pp, ep=ep, arch="qwen2_moe")
+    for logp, _, _ in results:
+        assert (logp - want).abs().max() <= 1e-4
+    back = {k: v for k, v in _merged(results, 1).items() if k != "local_experts"}
+    assert set(back) == set(state)
+    assert not [k for k, v in state.items() if not torch.equal(back[k], v)]
+
+
+@pytest.mark.multirank
+def test_qwen2_moe_train_step_is_the_same_at_tp2_pp2_and_tp2_x_ep2(run):
+    """The shared expert's gate is whole on every TP rank: under sequence parallelism (on at
+    TP=2) megatron sums its grads over TP (its ``sequence_parallel`` attribute)."""
+    tp2 = _merged(run(2, 1, arch="qwen2_moe"), 2)
+    _, state, _ = tiny_model("qwen2_moe", vocab=VOCAB)
+    assert "model.layers.0.mlp.shared_expert_gate.weight" in tp2
+    assert not [k for k, v in tp2.items() if ".experts." not in k and torch.equal(v, state[k])]
+    for other in (_merged(run(1, 2, arch="qwen2_moe"), 2), _merged(run(2, 1, ep=2, arch="qwen2_moe"), 2)):
+        assert set(other) == set(tp2)
+        rel = {k: float((other[k] - v).abs().max() / v.abs().max()) for k, v in tp2.items()}
+        worst = max(rel, key=rel.get)
+        assert rel[worst] <= 1e-4, f"{worst}: relative difference {rel[worst]:.2e}"
+
+
 # --------------------------------------------------------------------------- config mapping
 
 
-def _config(**overrides):
-    hf, _, _ = tiny_model(ARCH, vocab=VOCAB)
+def _config(arch=ARCH, **overrides):
+    hf, _, _ = tiny_model(arch, vocab=VOCAB)
     return SimpleNamespace(**{**hf.to_dict(), **overrides})
 
 
@@ -199,6 +235,21 @@ def test_moe_adapter_names_every_checkpoint_weight_once():
 def test_moe_args_refuse_an_unmappable_config_naming_the_key(overrides, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         ModelArgs.from_hf(_config(**overrides))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size=0 is not supported for "
+     "model_type='qwen2_moe': its MoE layers always have a shared expert; it must be >= 1"),
+    ({"qkv_bias": False}, "qkv_bias=false is not supported for model_type='qwen2_moe'; supported: true"),
+    ({"num_experts": 0}, "(a dense model is model_type 'qwen2')"),
+])
+def test_qwen2_moe_args_read_the_shared_expert_and_refuse_what_megatron_cannot_map(overrides, message):
+    args = ModelArgs.from_hf(_config("qwen2_moe"))
+    assert (args.shared_expert_ffn_hidden_size, args.qkv_bias, args.qk_norm, args.norm_topk_prob) == (
+        48, True, False, False)
+    with pytest.raises(ValueError) as err:
+        ModelArgs.from_hf(_config("qwen2_moe", **overrides))
+    assert message in str(err.value)
 
 
 def test_moe_transformer_config_matches_hf_routing():

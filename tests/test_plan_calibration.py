@@ -10,7 +10,8 @@ worst: selective recompute -7.2 %, full recompute +4.1 %, the others +0.1 %; sta
 MoE layers (Qwen3-MoE, every layer routed): what an MoE layer saves over its dense twin
 (the same attention, a dense SwiGLU) is predicted to within 10 % of the MoE part, at top-2
 and top-4 with two expert widths, at EP=2 (the mean of the EP ranks: the planner assumes
-balanced routing) and TP=2 with SP; the model state as above.
+balanced routing) and TP=2 with SP, and with Qwen2-MoE's gated shared expert (-0.7 %);
+the model state as above.
 """
 
 from __future__ import annotations
@@ -122,11 +123,12 @@ def test_planner_predicts_measured_activation_and_state_bytes(world, cases):
               f"({act_err:+.1%}); model state {state_err:+.1%}")
 
 
-# Every layer routed (tiny_model's MOE has a dense layer 2); the dense twin is qwen3 with
-# qwen3_moe's head_dim 32, so the two differ only in the MLP.
+# Every layer routed (tiny_model's MOE has a dense layer 2); the dense twin of qwen3_moe is
+# qwen3 with its head_dim 32, of qwen2_moe (shared expert 48 wide) qwen2, so each pair
+# differs only in the MLP.
 MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": []}
 WIDE = {**MOE, "num_experts_per_tok": 4, "moe_intermediate_size": 64}
-TWIN = {"head_dim": 32}
+TWINS = {"qwen3_moe": ("qwen3", {"head_dim": 32}), "qwen2_moe": ("qwen2", {})}
 
 
 def _measure_moe(case):
@@ -134,7 +136,7 @@ def _measure_moe(case):
 
     from areal_mcore.actor.activation_memory import SavedActivationMeter
 
-    arch, shape = ("qwen3_moe", {"moe": case["moe"]}) if case["moe"] else ("qwen3", TWIN)
+    arch, shape = (case["arch"], {"moe": case["moe"]}) if case["moe"] else TWINS[case["arch"]]
     actor = tiny_actor(tp=case["tp"], cap=CAP, sp="true" if case["tp"] > 1 else "false", arch=arch,
                        shape=shape, ep=case["ep"] if case["moe"] else 1)
     g = torch.Generator().manual_seed(3)
@@ -158,8 +160,8 @@ def _moe_worker(rank, world, cases):
 def _moe_predict(case, measured, moe: bool):
     from areal_mcore.model.args import ModelArgs
 
-    hf, _, _ = (tiny_model("qwen3_moe", vocab=VOCAB, moe=case["moe"]) if moe
-                else tiny_model("qwen3", vocab=VOCAB, **TWIN))
+    arch, shape = (case["arch"], {"moe": case["moe"]}) if moe else TWINS[case["arch"]]
+    hf, _, _ = tiny_model(arch, vocab=VOCAB, **shape)
     args = ModelArgs.from_hf(hf)
     shape = TrainerShape(tp=case["tp"], dp=measured["dp"], ep=case["ep"] if moe else 1,
                          sequence_parallel=case["tp"] > 1, tokens_per_mb=CAP, seqlens=(24, 24),
@@ -167,8 +169,9 @@ def _moe_predict(case, measured, moe: bool):
     return args, shape, trainer_rank(args, shape, 0).terms
 
 
-MOE_ONE = [dict(moe=MOE, tp=1, ep=1), dict(moe=WIDE, tp=1, ep=1)]
-MOE_PAIR = [dict(moe=MOE, tp=1, ep=2), dict(moe=MOE, tp=2, ep=1)]
+MOE_ONE = [dict(moe=MOE, tp=1, ep=1, arch="qwen3_moe"), dict(moe=WIDE, tp=1, ep=1, arch="qwen3_moe"),
+           dict(moe=MOE, tp=1, ep=1, arch="qwen2_moe")]
+MOE_PAIR = [dict(moe=MOE, tp=1, ep=2, arch="qwen3_moe"), dict(moe=MOE, tp=2, ep=1, arch="qwen3_moe")]
 
 
 @pytest.mark.parametrize("world, cases", [(1, MOE_ONE), (2, MOE_PAIR)], ids=["one_rank", "two_ranks"])

@@ -1,4 +1,4 @@
-"""HF <-> megatron state-dict adapter for Qwen2 / Qwen3 / Qwen3-MoE / LLaMA, declared as data.
+"""HF <-> megatron state-dict adapter for Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / LLaMA, declared as data.
 
 ``PARAMS`` lists every weight once: its megatron name, its HF name(s) and a *kind*
 that says how the tensors are fused and how they are split over tensor-parallel ranks.
@@ -50,6 +50,10 @@ def _dense_mlp(args: ModelArgs, i: int) -> bool:
     return not args.is_moe_layer(i)
 
 
+def _shared_expert(args: ModelArgs, i: int) -> bool:
+    return args.is_moe_layer(i) and args.shared_expert_ffn_hidden_size > 0
+
+
 _L = "decoder.layers.{l}."
 _H = "model.layers.{i}."
 PARAMS: tuple[ParamMap, ...] = (
@@ -80,6 +84,16 @@ PARAMS: tuple[ParamMap, ...] = (
              layer_if=ModelArgs.is_moe_layer, per_expert=True),
     ParamMap(_L + "mlp.experts.local_experts.{e}.linear_fc2.weight", (_H + "mlp.experts.{e}.down_proj.weight",),
              "row", layer_if=ModelArgs.is_moe_layer, per_expert=True),
+    # Qwen2-MoE's shared expert: megatron's SharedExpertMLP, an MLP over the (dense) TP group,
+    # and its gate, a [1, hidden] parameter whole on every TP rank
+    # (transformer/moe/shared_experts.py, SharedExpertMLP.__init__).
+    ParamMap(_L + "mlp.shared_experts.linear_fc1.weight",
+             (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), "gate_up",
+             layer_if=_shared_expert),
+    ParamMap(_L + "mlp.shared_experts.linear_fc2.weight", (_H + "mlp.shared_expert.down_proj.weight",), "row",
+             layer_if=_shared_expert),
+    ParamMap(_L + "mlp.shared_experts.gate_weight", (_H + "mlp.shared_expert_gate.weight",), "replicated",
+             layer_if=_shared_expert),
     ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated",
              per_layer=False, stage="last"),
     ParamMap("output_layer.weight", ("lm_head.weight",), "vocab", per_layer=False, stage="last",

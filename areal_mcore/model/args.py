@@ -1,10 +1,12 @@
-"""The architecture read from an HF Qwen2 / Qwen3 / Qwen3-MoE / LLaMA config (no megatron import).
+"""The architecture read from an HF Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / LLaMA config (no megatron import).
 
 R1-Distill-Qwen models are Qwen2: GQA, SwiGLU, RMSNorm, RoPE, bias on q/k/v only. LLaMA
 is the same without the qkv bias; Qwen3 adds a per-head RMSNorm on q and k before RoPE
 (megatron's ``qk_layernorm``) and states ``head_dim``, which may differ from hidden/heads.
 Qwen3-MoE is Qwen3 with a routed mixture of experts in place of the MLP in every layer
-``decoder_sparse_step`` and ``mlp_only_layers`` select (no shared experts).
+``decoder_sparse_step`` and ``mlp_only_layers`` select (no shared experts). Qwen2-MoE is
+Qwen2 (qkv bias, no q/k norms) with the same routed experts plus a shared expert every
+token passes, scaled by a sigmoid gate (``mlp.shared_expert``, ``mlp.shared_expert_gate``).
 RoPE is plain or llama3-scaled (Llama 3.1+), as far as megatron-core expresses it. Anything
 the mapping cannot represent (other RoPE scalings, sliding windows, biases megatron has no
 place for, other architectures) is an error naming the key, not a silently different model.
@@ -26,6 +28,7 @@ class Architecture:
     qkv_bias: bool  # q/k/v projections carry a bias (Qwen2 always; the others never)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (``self_attn.{q,k}_norm``)
     moe: bool = False  # routed experts (``mlp.gate`` + ``mlp.experts.{e}``) in the sparse layers
+    shared_expert: bool = False  # and a gated shared expert beside them (Qwen2-MoE)
 
 
 ARCHITECTURES = {
@@ -33,7 +36,10 @@ ARCHITECTURES = {
     "llama": Architecture(qkv_bias=False, qk_norm=False),
     "qwen3": Architecture(qkv_bias=False, qk_norm=True),
     "qwen3_moe": Architecture(qkv_bias=False, qk_norm=True, moe=True),
+    "qwen2_moe": Architecture(qkv_bias=True, qk_norm=False, moe=True, shared_expert=True),
 }
+# The dense model_type of each MoE one (what a config without experts should say).
+DENSE_OF = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}
 SUPPORTED = tuple(ARCHITECTURES)
 
 # megatron-core's llama3 RoPE scaling (models/common/embeddings/rotary_pos_embedding.py,
@@ -115,6 +121,9 @@ class ModelArgs:
     # Global indices of the layers of an MoE model that keep a dense MLP of ffn_hidden_size
     # (HF mlp_only_layers and the layers decoder_sparse_step skips).
     dense_layers: tuple[int, ...] = ()
+    # Qwen2-MoE's shared expert in every MoE layer: a SwiGLU of this width (HF
+    # shared_expert_intermediate_size) times sigmoid(shared_expert_gate(x)); 0: none.
+    shared_expert_ffn_hidden_size: int = 0
 
     def __post_init__(self):
         for key in ("pipeline_split", "dense_layers"):  # a JSON manifest gives lists
@@ -152,7 +161,9 @@ class ModelArgs:
                 raise ValueError(f"{key}=true is not supported for model_type={hf.model_type!r}; "
                                  f"supported: {key}=false")
         heads = hf.num_attention_heads
-        moe = _moe_fields(hf) if arch.moe else {}
+        if arch.qkv_bias and getattr(hf, "qkv_bias", True) is False:  # Qwen2MoeConfig states it
+            raise ValueError(f"qkv_bias=false is not supported for model_type={hf.model_type!r}; supported: true")
+        moe = _moe_fields(hf, arch) if arch.moe else {}
         return cls(
             model_type=hf.model_type,
             vocab_size=hf.vocab_size,
@@ -173,8 +184,8 @@ class ModelArgs:
         )
 
 
-def _moe_fields(hf) -> dict:
-    """ModelArgs' expert fields from a Qwen3-MoE config; refuses what megatron's MoE layer
+def _moe_fields(hf, arch: Architecture) -> dict:
+    """ModelArgs' expert fields from a Qwen3-/Qwen2-MoE config; refuses what megatron's MoE layer
     (transformer/moe/router.py TopKRouter, moe_utils.topk_softmax_with_capacity) cannot
     reproduce exactly."""
     # transformers >= 5 writes config.json with ``num_local_experts`` (Qwen3MoeConfig's
@@ -183,7 +194,8 @@ def _moe_fields(hf) -> dict:
     num_experts = int(getattr(hf, "num_local_experts", 0) if num_experts is None else num_experts)
     if num_experts < 1:
         raise ValueError(f"num_experts={num_experts} is not supported for model_type={hf.model_type!r}: "
-                         f"it needs at least 1 expert (a dense model is model_type 'qwen3')")
+                         f"it needs at least 1 expert (a dense model is model_type "
+                         f"{DENSE_OF[hf.model_type]!r})")
     top_k = int(hf.num_experts_per_tok)
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok={top_k} is not supported: it must be between 1 and "
@@ -195,11 +207,17 @@ def _moe_fields(hf) -> dict:
     if norm and top_k == 1:
         raise ValueError("num_experts_per_tok=1 with norm_topk_prob=true is not supported: megatron-core "
                          "refuses top-1 routing with the softmax after the top-k; use norm_topk_prob=false")
-    # Qwen2-MoE-style shared experts: Qwen3MoeSparseMoeBlock has none, so a config stating
-    # them describes weights transformers would ignore (and megatron would add).
-    if getattr(hf, "shared_expert_intermediate_size", 0):
-        raise ValueError(f"shared_expert_intermediate_size={hf.shared_expert_intermediate_size} is not supported "
-                         f"for model_type='qwen3_moe' (it has no shared experts); supported: 0 or absent")
+    # Shared experts: Qwen2MoeSparseMoeBlock always has one (megatron's SharedExpertMLP with
+    # moe_shared_expert_gate: sigmoid(x . gate_weight) times the SwiGLU, as transformers);
+    # Qwen3MoeSparseMoeBlock has none, so a Qwen3-MoE config stating one describes weights
+    # transformers would ignore (and megatron would add).
+    shared = int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+    if arch.shared_expert and shared < 1:
+        raise ValueError(f"shared_expert_intermediate_size={shared} is not supported for model_type="
+                         f"{hf.model_type!r}: its MoE layers always have a shared expert; it must be >= 1")
+    if not arch.shared_expert and shared:
+        raise ValueError(f"shared_expert_intermediate_size={shared} is not supported "
+                         f"for model_type={hf.model_type!r} (it has no shared experts); supported: 0 or absent")
     step = getattr(hf, "decoder_sparse_step", None)
     step = 1 if step is None else int(step)
     if step < 1:
@@ -209,12 +227,12 @@ def _moe_fields(hf) -> dict:
     if any(not 0 <= i < layers for i in mlp_only):
         raise ValueError(f"mlp_only_layers={mlp_only} is not supported: every entry must be a layer index "
                          f"in [0, {layers})")
-    # transformers' Qwen3MoeDecoderLayer.__init__: sparse iff not in mlp_only_layers and
+    # transformers' Qwen3MoeDecoderLayer.__init__ (and Qwen2Moe's): sparse iff not in mlp_only_layers and
     # (i + 1) % decoder_sparse_step == 0. Any such pattern is a megatron moe_layer_freq list.
     dense = tuple(i for i in range(layers) if i in mlp_only or (i + 1) % step)
     return dict(num_experts=num_experts, moe_top_k=top_k, moe_ffn_hidden_size=int(hf.moe_intermediate_size),
                 norm_topk_prob=norm, router_aux_loss_coef=float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0),
-                dense_layers=dense)
+                dense_layers=dense, shared_expert_ffn_hidden_size=shared)
 
 
 def args_mismatch(expected: ModelArgs, actual: ModelArgs, expected_name: str, actual_name: str) -> str | None:

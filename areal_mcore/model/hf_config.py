@@ -108,7 +108,8 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
 
 def _moe_config(args: ModelArgs, tp_size: int, aux_loss_coeff: float, ep_size: int,
                 grouped_gemm: bool) -> dict:
-    """TransformerConfig's MoE keys reproducing transformers' Qwen3MoeSparseMoeBlock.
+    """TransformerConfig's MoE keys reproducing transformers' Qwen3MoeSparseMoeBlock (and
+    Qwen2MoeSparseMoeBlock: the same router, plus a gated shared expert).
 
     HF (modeling_qwen3_moe.py, Qwen3MoeTopKRouter.forward): softmax over all experts' logits
     in fp32, top-k of those probabilities, divided by their sum when norm_topk_prob.
@@ -144,6 +145,11 @@ def _moe_config(args: ModelArgs, tp_size: int, aux_loss_coeff: float, ep_size: i
         # (actor/router_replay.py).
         moe_enable_routing_replay=True,
         moe_aux_loss_coeff=aux_loss_coeff,
+        # Qwen2-MoE: transformers' Qwen2MoeSparseMoeBlock adds sigmoid(shared_expert_gate(x)) *
+        # shared_expert(x) to the routed output; megatron's SharedExpertMLP with a gate computes
+        # sigmoid(x . gate_weight) * MLP(x), added in MoELayer (shared_experts.py, moe_layer.py).
+        moe_shared_expert_intermediate_size=args.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=args.shared_expert_ffn_hidden_size > 0,
     )
 
 

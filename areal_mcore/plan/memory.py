@@ -37,7 +37,9 @@ above that is not modelled):
 The all-to-all buffers themselves (autograd's all_to_all saves only the split sizes) and
 the permuted copy before the all-to-all are transient, freed when the layer's forward
 returns. Measured on CPU (tests/test_plan_calibration.py): 6f + h + 6 fp32 elements per
-routed copy, linear in k and f.
+routed copy, linear in k and f. A shared expert (Qwen2-MoE, megatron's SharedExpertMLP with
+a gate) saves what a dense SwiGLU of its width saves, plus the gate's product inputs: its
+output h/s and the sigmoid score (shared_experts.py, SharedExpertMLP.forward).
 Full recompute (megatron ``uniform``, one layer per checkpoint) keeps only each layer's
 input (h/s) and rebuilds one layer at a time in the backward; selective recompute
 (``core_attn``) keeps only the attention inputs and output.
@@ -117,6 +119,9 @@ def layer_params(args: ModelArgs, layer: int, tp: int = 1, ep: int = 1) -> int:
     whole = 2 * h + 2 * args.head_dim * args.qk_norm
     if args.is_moe_layer(layer):  # the router's [experts, h]
         whole += args.num_experts * h
+        # Qwen2-MoE's shared expert: a SwiGLU split over TP like a dense one, and its gate [1, h]
+        split += 3 * h * args.shared_expert_ffn_hidden_size
+        whole += h * (args.shared_expert_ffn_hidden_size > 0)
     else:
         split += 3 * h * args.ffn_hidden_size
     return split // tp + whole + layer_expert_params(args, layer, tp, ep)
@@ -186,7 +191,10 @@ def moe_elements(args: ModelArgs, shape: TrainerShape) -> float:
     swiglu = (5 if shape.path == "te" else 6) * f / t  # the dense SwiGLU's + the prob-scaled output
     per_copy = h + swiglu + 1 + (8 + 8 + b) / b / s  # + prob; int64 sorted_indices, top-k index, score
     router = (experts + experts / b) / s  # logits + the bool routing map
-    return k * per_copy + router
+    shared = 0.0
+    if args.shared_expert_ffn_hidden_size:  # a dense SwiGLU on the T/s tokens, then the gate's product
+        shared = (4 if shape.path == "te" else 5) * args.shared_expert_ffn_hidden_size / t + (h + 1) / s
+    return k * per_copy + router + shared
 
 
 def head_elements(args: ModelArgs, shape: TrainerShape) -> float:
