@@ -198,7 +198,7 @@ def _te_spec_worker(rank, world, arch):
             float((got - want).abs().max()), saved)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_the_te_specs_fused_norm_weights_load_from_hf_and_export_back(arch):
     """TransformerEngine's spec names the layer norms after the linear they are fused into
     (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); Qwen3's q/k norms
@@ -214,7 +214,8 @@ def test_the_te_specs_fused_norm_weights_load_from_hf_and_export_back(arch):
     assert local.submodules.sharded_state_dict_keys_map == adapter.TE_FUSED_NORMS
     names, exported, err, (te_keys, local_keys) = run_gloo(_te_spec_worker, 1, arch)[0]
     assert te_keys == local_keys  # a checkpoint saved on either spec loads on the other
-    dense = 2 if arch == "qwen3_moe" else 0  # tests/_tiny_model.py MOE: layer 2 is dense
+    moe = arch.endswith("_moe")
+    dense = 2 if moe else 0  # tests/_tiny_model.py MOE: layer 2 is dense
     assert {f"decoder.layers.{dense}.self_attention.linear_qkv.layer_norm_weight",
             f"decoder.layers.{dense}.mlp.linear_fc1.layer_norm_weight"} <= set(names)
     assert not [n for n in names if "input_layernorm" in n]
@@ -222,11 +223,14 @@ def test_the_te_specs_fused_norm_weights_load_from_hf_and_export_back(arch):
     # norm a module of its own (gpt_layer_specs.py, get_gpt_layer_with_transformer_engine_spec).
     unfused = sorted(n for n in names if "pre_mlp_layernorm" in n)
     assert unfused == ([f"decoder.layers.{i}.pre_mlp_layernorm.weight" for i in (0, 1, 3)]
-                       if arch == "qwen3_moe" else [])
+                       if moe else [])
     qk = {"decoder.layers.0.self_attention.q_layernorm.weight", "decoder.layers.0.self_attention.k_layernorm.weight"}
     assert (qk <= set(names)) == arch.startswith("qwen3")
     grouped = sorted(n for n in names if ".mlp.experts." in n)
     assert grouped == ([f"decoder.layers.{i}.mlp.experts.linear_fc{j}.weight{e}"
-                        for i in (0, 1, 3) for j in (1, 2) for e in range(8)] if arch == "qwen3_moe" else [])
+                        for i in (0, 1, 3) for j in (1, 2) for e in range(8)] if moe else [])
+    shared = {f"decoder.layers.{i}.mlp.shared_experts.{w}" for i in (0, 1, 3)
+              for w in ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")}
+    assert (shared <= set(names)) == (arch == "qwen2_moe")
     assert all(exported.values()), [k for k, ok in exported.items() if not ok]
     assert err <= 1e-4, err

