@@ -124,6 +124,17 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[to
     return parts if moved.device == tensor.device else [p.to(tensor.device) for p in parts]
 
 
+def gather(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> list[torch.Tensor] | None:
+    """Every rank's ``tensor`` (same shape everywhere), in group-rank order, on global rank
+    ``dst`` only (on ``tensor``'s device); None on the other ranks, which keep nothing."""
+    moved = on_group_device(tensor.contiguous(), group)
+    parts = [torch.empty_like(moved) for _ in range(dist.get_world_size(group))] if dist.get_rank() == dst else None
+    dist.gather(moved, parts, dst=dst, group=group)
+    if parts is None:
+        return None
+    return parts if moved.device == tensor.device else [p.to(tensor.device) for p in parts]
+
+
 def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Point-to-point send to global rank ``dst``."""
     dist.send(on_group_device(tensor.contiguous(), group), dst=dst, group=group)

@@ -85,7 +85,7 @@ def nccl_like(setattr_, group) -> list[str]:
     real_config = dist.get_backend_config
     setattr_(dist, "get_backend_config", lambda g=None: "cuda:nccl" if g is group else real_config(g))
     setattr_(torch.cuda, "current_device", lambda: 0)
-    for name in ("all_reduce", "broadcast", "all_gather", "send", "recv"):
+    for name in ("all_reduce", "broadcast", "all_gather", "gather", "send", "recv"):
         real = getattr(dist, name)
 
         def checked(*args, _real=real, _name=name, **kwargs):

@@ -32,8 +32,10 @@ def _hf_logprobs(shape, arch=ARCH) -> torch.Tensor:
     return hf_seq_logprobs(hf, eval_seqs(VOCAB))
 
 
-def _worker(rank, world, tp, pp, shape, ep=1, arch=ARCH):
+def _worker(rank, world, tp, pp, shape, ep=1, arch=ARCH, hf_dir=None):
     from _actor_setup import tiny_actor
+
+    from areal_mcore.convert.save_hf import save_hf
 
     actor = tiny_actor(tp=tp, pp=pp, arch=arch, shape=shape, ep=ep)
     logp = actor.compute_logprobs(pack(eval_seqs(VOCAB)))
@@ -43,20 +45,29 @@ def _worker(rank, world, tp, pp, shape, ep=1, arch=ARCH):
     trained = actor.hf_state_dict()
     if ep > 1:  # the experts this rank built: num_experts / ep of them
         loaded["local_experts"] = sum(".local_experts." in n for n in adapter.module_weights(actor.model.module))
-    return (logp, loaded, trained) if actor.groups.tp_rank == 0 else (logp, {}, {})
+    # The exporter's gather: the stage's weights on one rank, nothing on the others.
+    held = len(actor.hf_state_dict(writer_only=True))
+    if hf_dir is not None:
+        save_hf(actor, hf_dir, max_shard_bytes=100_000)
+    return (logp, loaded, trained, held) if actor.groups.tp_rank == 0 else (logp, {}, {}, held)
 
 
 @pytest.fixture(scope="module")
-def run():
-    """run(tp, pp, norm, ep, arch): each rank's (logprobs, HF weights loaded, HF weights trained)."""
+def run(tmp_path_factory):
+    """run(tp, pp, norm, ep, arch): each rank's (logprobs, HF weights loaded, HF weights trained,
+    how many HF tensors the exporter's gather left it); at EP > 1 save_hf writes to
+    ``run.hf_dir(tp, ep, arch)``."""
     cache = {}
 
     def get(tp, pp, norm=True, ep=1, arch=ARCH):
         key = tp, pp, norm, ep, arch
         if key not in cache:
             world = max(2, tp * pp * ep)  # EP comes out of data parallelism (expert-TP = TP)
-            cache[key] = run_gloo(_worker, world, tp, pp, _shape(norm), ep, arch)
+            hf_dir = get.hf_dir(tp, ep, arch) if ep > 1 else None
+            cache[key] = run_gloo(_worker, world, tp, pp, _shape(norm), ep, arch, hf_dir)
         return cache[key]
+    root = tmp_path_factory.mktemp("moe_exports")
+    get.hf_dir = lambda tp, ep, arch: str(root / f"{arch}_tp{tp}_ep{ep}")
     return get
 
 
@@ -89,7 +100,7 @@ def test_moe_hf_weights_round_trip_through_megatron_bitwise(run, tp, pp):
 def test_moe_packed_logprobs_equal_transformers_per_sequence(run, tp, pp, norm):
     """norm: norm_topk_prob, which selects megatron's moe_router_pre_softmax (off / on)."""
     want = _hf_logprobs(_shape(norm))
-    for logp, _, _ in run(tp, pp, norm):  # every rank gets them
+    for logp, *_ in run(tp, pp, norm):  # every rank gets them
         assert (logp - want).abs().max() <= 1e-4
 
 
@@ -105,7 +116,7 @@ def test_moe_at_ep2_round_trips_hf_weights_bitwise_and_matches_transformers(run)
     hf_state_dict gathers all 8 back bitwise on every rank; logprobs equal transformers'."""
     _, state, _ = tiny_model(ARCH, vocab=VOCAB)
     want = _hf_logprobs(_shape(True))
-    for logp, loaded, trained in run(1, 1, ep=2):
+    for logp, loaded, trained, _ in run(1, 1, ep=2):
         assert loaded["local_experts"] == 3 * 4 * 2  # 3 MoE layers x 4 experts x (fc1, fc2)
         back = {k: v for k, v in loaded.items() if k != "local_experts"}
         assert set(back) == set(state) == set(trained)
@@ -121,9 +132,9 @@ def test_moe_at_tp2_x_ep2_on_four_ranks_round_trips_matches_transformers_and_tra
     _, state, _ = tiny_model(ARCH, vocab=VOCAB)
     want = _hf_logprobs(_shape(True))
     results = run(2, 1, ep=2)
-    exported = [(loaded, trained) for _, loaded, trained in results if loaded]
+    exported = [(loaded, trained) for _, loaded, trained, _ in results if loaded]
     assert len(results) == 4 and len(exported) == 2  # the TP-rank-0 of each EP rank
-    for logp, _, _ in results:
+    for logp, *_ in results:
         assert (logp - want).abs().max() <= 1e-4
     tp2 = _merged(run(2, 1), 2)
     for loaded, trained in exported:
@@ -136,11 +147,26 @@ def test_moe_at_tp2_x_ep2_on_four_ranks_round_trips_matches_transformers_and_tra
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("arch", [ARCH, "qwen2_moe"])
+def test_moe_export_at_tp2_x_ep2_gathers_on_one_rank_and_writes_the_trained_weights(run, arch):
+    """save_hf at TP=2 x EP=2 writes every expert of the trained model, and its gather leaves
+    the stage's weights on one rank (TP 0 of EP 0): the others hold none of them (an all-gather
+    had every rank hold the whole stage on the host)."""
+    from areal_mcore.convert.tools import load_hf_state_dict
+
+    results = run(2, 1, ep=2, arch=arch)
+    trained = _merged(results, 2)
+    assert [held for *_, held in results] == [len(trained), 0, 0, 0]
+    saved = load_hf_state_dict(run.hf_dir(2, 2, arch))
+    assert set(saved) == set(trained) and all(torch.equal(saved[k], v) for k, v in trained.items())
+
+
+@pytest.mark.multirank
 def test_moe_train_step_at_ep2_equals_tp2(run):
     """One PPO batch at EP=2 (DP=2: the experts split over the two data-parallel ranks,
     tokens exchanged by the alltoall dispatcher) trains the same weights as at TP=2 (DP=1:
     every expert on both ranks, split over TP); both EP ranks export the same weights."""
-    (_, _, ep2), (_, _, ep2_other) = run(1, 1, ep=2)
+    (_, _, ep2, _), (_, _, ep2_other, _) = run(1, 1, ep=2)
     assert not [k for k, v in ep2.items() if not torch.equal(v, ep2_other[k])]
     tp2 = _merged(run(2, 1), 2)
     _, state, _ = tiny_model(ARCH, vocab=VOCAB)
@@ -179,7 +205,7 @@ def test_qwen2_moe_round_trips_bitwise_and_matches_transformers(run, tp, pp, ep)
             "model.layers.0.self_attn.q_proj.bias"} <= set(state)
     want = _hf_logprobs({}, "qwen2_moe")
     results = run(tp, pp, ep=ep, arch="qwen2_moe")
-    for logp, _, _ in results:
+    for logp, *_ in results:
         assert (logp - want).abs().max() <= 1e-4
     back = {k: v for k, v in _merged(results, 1).items() if k != "local_experts"}
     assert set(back) == set(state)

@@ -172,27 +172,37 @@ class MegatronActor:
         adapter.copy_into(self.model.module, local)
         self.optimizer.reload_model_params()
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+    def hf_state_dict(self, writer_only: bool = False) -> dict[str, torch.Tensor]:
         """This pipeline stage's weights in HF names and layout, gathered over TP, and its
-        experts over the expert-parallel group (every expert, on every rank)."""
+        experts over the expert-parallel group (every expert, on every rank).
+
+        ``writer_only``: only the stage's TP-rank 0 of data-parallel replica 0 (with EP, of
+        expert-data-parallel rank 0, whose EP rank 0 is DP rank 0) gets them, the others {}:
+        the exporter's way (save_hf), where an all-gather had every rank hold the whole stage
+        on the host (61 GB per rank of Qwen3-30B-A3B at PP=1). The other replicas take no
+        part: each TP and EP group lies within one expert-data-parallel rank."""
         g = self.groups
+        if writer_only and g.expert_dp_rank != 0:
+            return {}
         local = {n: p.detach() for n, p in adapter.module_weights(self.model.module).items()}
         shards = [dict() for _ in range(g.tp_size)]
         for name in sorted(local):
-            parts = collectives.all_gather(local[name], g.tp)
-            for r in range(g.tp_size):
-                shards[r][name] = parts[r].cpu()
+            for r, part in enumerate(_gathered(local[name], g.tp, writer_only)):
+                shards[r][name] = part.cpu()
+        if writer_only and g.tp_rank != 0:
+            return {}
         out = adapter.to_hf(shards, self.args, pp_rank=g.pp_rank, pp_size=g.pp_size,
                             ep_rank=g.ep_rank, ep_size=g.ep_size)
         if g.ep_size > 1:
-            out.update(self._other_experts(shards))
-        return out
+            out.update(self._other_experts(shards, writer_only))
+        return {} if writer_only and g.ep_rank != 0 else out
 
-    def _other_experts(self, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _other_experts(self, shards: list[dict[str, torch.Tensor]], writer_only: bool) -> dict[str, torch.Tensor]:
         """The HF tensors of the other EP ranks' experts. Every EP rank has the same local
-        names and shapes (``num_experts / ep`` experts each), so one all-gather per local
-        expert weight brings rank r's copy of it, which is global expert ``r * n + local``;
-        ``shards`` (already gathered over expert-TP = TP) are gathered, TP slice by slice."""
+        names and shapes (``num_experts / ep`` experts each), so one all-gather (a gather to EP
+        rank 0, ``writer_only``) per local expert weight brings rank r's copy of it, which is
+        global expert ``r * n + local``; ``shards`` (already gathered over expert-TP = TP) are
+        gathered, TP slice by slice."""
         g = self.groups
         names = [name for p, name, _ in adapter.stage_entries(self.args, g.pp_rank, g.pp_size, tied_copy=False,
                                                               ep_rank=g.ep_rank, ep_size=g.ep_size)
@@ -200,8 +210,10 @@ class MegatronActor:
         by_ep = [[dict() for _ in range(g.tp_size)] for _ in range(g.ep_size)]
         for name in names:
             for t in range(g.tp_size):
-                for r, part in enumerate(collectives.all_gather(shards[t][name], g.ep)):
+                for r, part in enumerate(_gathered(shards[t][name], g.ep, writer_only)):
                     by_ep[r][t][name] = part
+        if writer_only and g.ep_rank != 0:
+            return {}
         out = {}
         for r in range(g.ep_size):
             if r != g.ep_rank:
@@ -537,3 +549,11 @@ def _placeholder(batch: PackedBatch, n: int) -> PackedBatch:
     one = torch.zeros(1, dtype=batch.input_ids.dtype)
     fields = {k: [torch.zeros(1, *v.shape[1:], dtype=v.dtype)] * n for k, v in batch.fields.items()}
     return pack([one] * n, fields, pad_to_multiple_of=batch.pad_to_multiple_of)
+
+
+def _gathered(tensor: torch.Tensor, group, writer_only: bool) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` of ``group``: on every rank, or (``writer_only``) on its rank
+    0 alone, the others getting none."""
+    if not writer_only:
+        return collectives.all_gather(tensor, group)
+    return collectives.gather(tensor, dist.get_global_rank(group, 0), group) or []

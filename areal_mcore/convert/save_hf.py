@@ -1,7 +1,8 @@
 """``save_hf(actor, dir)``: the trainer's in-training HF export, written by the actor's ranks.
 
-Every rank calls it. TP ranks gather their stage's weights; one rank per pipeline stage
-(TP rank 0, DP rank 0) writes that stage's shards, so no rank holds the whole model;
+Every rank calls it. One rank per pipeline stage (TP rank 0, DP rank 0) gathers its
+stage's weights (over TP and EP) and writes that stage's shards, so no rank holds the whole
+model and no other rank holds more than its own parameters;
 global rank 0 then numbers the shards and writes the index, config and tokenizer files.
 """
 
@@ -34,7 +35,7 @@ def save_hf(actor: MegatronActor, out_dir: str | Path, *, tokenizer_dir: str | P
         shutil.rmtree(out, ignore_errors=True)  # a killed export's
         out.mkdir(parents=True)
     collectives.barrier(dist.group.WORLD)
-    tensors = actor.hf_state_dict()  # collective over the TP group
+    tensors = actor.hf_state_dict(writer_only=True)  # collective over the TP (and EP) group
     parts = []
     if g.tp_rank == 0 and g.dp_rank == 0:
         writer = ShardedSafetensorsWriter(out, max_shard_bytes, dtype, prefix=f"stage{g.pp_rank:03d}")
