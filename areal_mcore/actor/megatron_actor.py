@@ -41,6 +41,7 @@ from areal_mcore.model.args import (
     check_router_replay,
     padded_vocab_size,
     stage_layer_counts,
+    stage_layer_range,
 )
 from areal_mcore.model.hf_config import build_gpt_model, transformer_config
 from areal_mcore.packing import (
@@ -110,9 +111,8 @@ class MegatronActor:
         self._fb = get_forward_backward_func()
         # This stage's MoE layers (global indices): its routers, in order, read those
         # columns of the routed_experts field [T, num_layers, K].
-        counts = stage_layer_counts(self.args.num_layers, g.pp_size, p.first_stage_layers, p.last_stage_layers)
-        first = sum(counts[:g.pp_rank])
-        self._stage_moe_layers = [i for i in range(first, first + counts[g.pp_rank]) if self.args.is_moe_layer(i)]
+        held = stage_layer_range(self.args.num_layers, g.pp_size, g.pp_rank, p.first_stage_layers, p.last_stage_layers)
+        self._stage_moe_layers = [i for i in held if self.args.is_moe_layer(i)]
         self._routers_of: dict[int, list] = {}
         self._router_counts: torch.Tensor | None = None  # [differing, compared] while measured
         # The fraction of (token, MoE layer) entries whose top-k set differs from the

@@ -269,6 +269,14 @@ def stage_layer_counts(num_layers: int, pp_size: int, first: int | None = None,
     return [fixed[s] if fixed.get(s) is not None else rest // len(free) for s in range(pp_size)]
 
 
+def stage_layer_range(num_layers: int, pp_size: int, stage: int, first: int | None = None,
+                      last: int | None = None) -> range:
+    """Global indices of the layers pipeline stage ``stage`` holds (``stage_layer_counts``'s split)."""
+    counts = stage_layer_counts(num_layers, pp_size, first, last)
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
+
+
 def folder_args(folder: str | Path) -> ModelArgs | None:
     """The architecture of an HF folder's config.json, read without transformers (the
     planner, and the checks before a run, which may run where the weights are not); None

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from areal_mcore.model.args import ModelArgs, padded_vocab_size, stage_layer_counts
+from areal_mcore.model.args import ModelArgs, padded_vocab_size, stage_layer_range
 
 GiB = 1024**3
 PATHS = ("te", "local")
@@ -138,10 +138,8 @@ def layer_expert_params(args: ModelArgs, layer: int, tp: int = 1, ep: int = 1) -
 def stage_params(args: ModelArgs, shape: TrainerShape, stage: int) -> int:
     """Parameters on one TP rank of ``stage``."""
     h, t = args.hidden_size, shape.tp
-    layers = stage_layer_counts(args.num_layers, shape.pp, shape.first_stage_layers, shape.last_stage_layers)
     vocab = padded_vocab_size(args.vocab_size, t, shape.vocab_divisible_by) * h // t
-    first = sum(layers[:stage])
-    n = sum(layer_params(args, i, t, shape.ep) for i in range(first, first + layers[stage]))
+    n = sum(layer_params(args, i, t, shape.ep) for i in _stage_layers(args, shape, stage))
     if stage == 0:
         n += vocab
     if stage == shape.pp - 1:
@@ -153,9 +151,11 @@ def stage_params(args: ModelArgs, shape: TrainerShape, stage: int) -> int:
 
 def stage_expert_params(args: ModelArgs, shape: TrainerShape, stage: int) -> int:
     """The expert parameters among ``stage_params`` (one rank's)."""
-    layers = stage_layer_counts(args.num_layers, shape.pp, shape.first_stage_layers, shape.last_stage_layers)
-    first = sum(layers[:stage])
-    return sum(layer_expert_params(args, i, shape.tp, shape.ep) for i in range(first, first + layers[stage]))
+    return sum(layer_expert_params(args, i, shape.tp, shape.ep) for i in _stage_layers(args, shape, stage))
+
+
+def _stage_layers(args: ModelArgs, shape: TrainerShape, stage: int) -> range:
+    return stage_layer_range(args.num_layers, shape.pp, stage, shape.first_stage_layers, shape.last_stage_layers)
 
 
 def _mean_seqlen_weight(shape: TrainerShape) -> float:
@@ -212,9 +212,8 @@ def stage_activation_bytes(args: ModelArgs, shape: TrainerShape, stage: int) -> 
     stage, the head) or, with full recompute, the backward of a layer: the checkpoints
     still waiting plus the one layer rebuilt (the head is freed by then)."""
     b, T = shape.dtype_bytes, shape.tokens_per_mb
-    counts = stage_layer_counts(args.num_layers, shape.pp, shape.first_stage_layers, shape.last_stage_layers)
-    layers, first = counts[stage], sum(counts[:stage])
-    moe_layers = sum(args.is_moe_layer(i) for i in range(first, first + layers))
+    held = _stage_layers(args, shape, stage)
+    layers, moe_layers = len(held), sum(map(args.is_moe_layer, held))
     window = shape.pp - stage
     in_flight = min(window, shape.n_micro_batches) if shape.n_micro_batches else window
     # A dense model: moe_layers 0, the same product as before MoE layers were modelled.

@@ -3,7 +3,7 @@
 One step moves S samples with N_T tokens (prompt + response) and N_O response tokens.
 Each element (token id, logprob, version) is 4 bytes, plus 24 bytes of lengths, reward and
 truncated flag per sample, so the batch is ``B = 4 N_T + 8 N_O + 24 S`` bytes (MoE routing,
-``server.return_routed_experts``, would add 4 x layers x top_k per token: not modelled) over ``D``
+``server.return_routed_experts``, would add 2 x layers x top_k per token, int16: not modelled) over ``D``
 replicas (D = trainer GPUs / (tp x pp)); every replica has ``tp x pp = M`` ranks::
 
     pack    = E * t_elem                 E = N_T + 2 N_O elements, Python lists -> arrays
