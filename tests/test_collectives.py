@@ -95,6 +95,7 @@ def _gloo_values(rank, world):
     top = collectives.all_reduce(torch.tensor([rank]), g, op=dist.ReduceOp.MAX)
     b = collectives.broadcast(torch.tensor([rank * 10]), 1, g)
     parts = collectives.all_gather(torch.tensor([rank, -rank]), g)
+    to_0 = collectives.gather(torch.tensor([rank, 2 * rank]), 0, g)
     box = torch.zeros(2)
     if rank == 0:
         collectives.send(torch.tensor([7.0, 8.0]), 1, g)
@@ -103,7 +104,7 @@ def _gloo_values(rank, world):
     collectives.barrier(g)
     return (total.tolist(), top.tolist(), b.tolist(), [p.tolist() for p in parts], box.tolist(),
             collectives.all_gather_object({"r": rank}, g), collectives.broadcast_object(f"from {rank}", 0, g),
-            str(collectives.group_device(g)))
+            str(collectives.group_device(g)), to_0 and [p.tolist() for p in to_0])
 
 
 def test_collectives_on_gloo_return_the_reduced_values():
@@ -111,7 +112,7 @@ def test_collectives_on_gloo_return_the_reduced_values():
     for rank, r in enumerate((r0, r1)):
         assert r[:4] == ([3.0], [1], [10], [[0, 0], [1, -1]])
         assert r[4] == ([0.0, 0.0] if rank == 0 else [7.0, 8.0])
-        assert r[5:] == ([{"r": 0}, {"r": 1}], "from 0", "cpu")
+        assert r[5:] == ([{"r": 0}, {"r": 1}], "from 0", "cpu", [[0, 0], [1, 2]] if rank == 0 else None)
 
 
 def _unreceived_broadcast(rank, world):
@@ -184,6 +185,9 @@ def _nccl_like_dp(rank, world):
         gpu_batch = to_train_batch(shard, _ppo(), dp_group=dp)
         out["gpu_fields"] = {k: (str(v.device), is_fake_cuda(v)) for k, v in gpu_batch.fields.items()}
         out["bins"] = allocate_micro_batches_synced([5] * (3 + 2 * rank), 10, group=dp)
+        # the exporter's gather (MegatronActor.hf_state_dict): staged onto the device, back on the host
+        parts = collectives.gather(torch.tensor([rank + 1.0]), 0, dp)
+        out["gathered"] = parts and [(p.tolist(), str(p.device)) for p in parts]
     for name, batch in (("cpu", cpu_batch), ("gpu", gpu_batch)):
         out[name] = {k: torch.equal(v, reference.fields[k]) for k, v in batch.fields.items()}
         out[name]["input_ids"] = torch.equal(batch.input_ids, reference.input_ids)
@@ -199,5 +203,6 @@ def test_to_train_batch_over_an_nccl_like_group_with_inputs_on_the_gpu_equals_gl
         assert out["cpu"] == out["gpu"] == {**dict.fromkeys(fields, True), "input_ids": True}
         assert out["gpu_fields"] == {k: ("cuda:0", True) for k in fields}
         assert len(out["bins"]) == 3 and sorted(i for b in out["bins"] for i in b) == list(range(3 + 2 * rank))
-        # host + allocator + 2 per batch (the advantage normalisation's sums) x 2
-        assert out["log"] == ["all_reduce"] * 6
+        assert out["gathered"] == ([([1.0], "cpu"), ([2.0], "cpu")] if rank == 0 else None)
+        # host + allocator + 2 per batch (the advantage normalisation's sums) x 2, the gather
+        assert out["log"] == ["all_reduce"] * 6 + ["gather"]
