@@ -420,7 +420,10 @@ def _decode_steps(address: str) -> int:
 
 def test_a_sync_while_requests_generate_tags_every_token_with_its_version_in_each_pause_mode(tmp_path):
     model = tiny_hf_dir(str(tmp_path), seed=21)
-    with embedded_servers(model, str(tmp_path / "logs"), n=1) as s:
+    # 50 ms a decode step: the 43 steps left after the push starts outlast the push even on
+    # busy cores (without it a push slowed by load once arrived after every request had
+    # finished, and no completion spanned the update)
+    with embedded_servers(model, str(tmp_path / "logs"), n=1, extra_args=["--step-delay-s", "0.05"]) as s:
         [out] = run_gloo(_sync_while_generating_worker, 1, [s[0].address])
     before = {"abort": "default", "retract": "1", "in_place": "2"}  # what each push replaces
     for version, mode in enumerate(("abort", "retract", "in_place"), start=1):
