@@ -36,7 +36,7 @@ def test_the_shipped_configs_load():
     assert cfg.ppo.reward_norm.group_size == cfg.rollout.n_samples
     for name in ("boba_1.5b", "boba_7b", "boba_32b_ppo", "qwen3_8b", "qwen3_30b_a3b"):
         boba = load_config(f"configs/{name}.yaml")
-        # the seed's numbers (DESIGN.md) where every PPO config must agree
+        # the recipe's numbers (docs/recipe.md) where every PPO config must agree
         assert (boba.trainer.batch_size, boba.rollout.n_samples, boba.rollout.max_new_tokens) == (512, 16, 27648)
         assert boba.ppo.reward_norm.group_size == boba.rollout.n_samples
         assert (boba.ppo.reward_bias, boba.ppo.reward_scaling, boba.actor.optimizer.lr) == (-0.5, 10.0, 2e-5)

@@ -1,4 +1,4 @@
-"""The package's import graph: no cycles, and STYLE.md's layering rules.
+"""The package's import graph: no cycles, and the layering rules of docs/layout.md.
 
 The graph is read from the source (ast), with function-local imports included: a cycle
 held off only by an import inside a function breaks as soon as someone hoists it. Imports
@@ -233,7 +233,7 @@ def test_the_actor_imports_neither_the_rollout_side_nor_aiohttp():
 def test_no_two_modules_or_packages_share_a_name():
     """A name says where to look: ``rollout/launcher.py`` beside ``launcher/`` and
     ``weight_sync/plan.py`` beside ``plan/`` sent readers to the wrong one. Each
-    component's ``config.py`` (STYLE.md: one dataclass config per component) is the one
+    component's ``config.py`` (its config dataclass, beside it: docs/layout.md) is the one
     shared name."""
     names: dict[str, list[str]] = {}
     for path in PACKAGE.rglob("*"):

@@ -5,7 +5,7 @@ structs through pydantic as FastAPI does, its ``/generate`` contract gate and it
 ``SamplingParams`` normalise/verify); the weight-update group is formed with our trainer
 code, SGLang's ``init_custom_process_group`` and the embedded server's recipe on three
 processes, and SGLang's own bucket code decodes what our syncer packed. The embedded
-server's responses are pinned to DESIGN.md's field names."""
+server's responses are pinned to the field names of docs/sglang_api.md."""
 
 from __future__ import annotations
 

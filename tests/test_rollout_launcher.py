@@ -52,7 +52,7 @@ def test_a_server_that_dies_at_start_reports_its_log(tmp_path):
 
 
 def test_rollout_imports_no_megatron_and_no_actor():
-    """STYLE.md layering: the inference side starts without the training stack."""
+    """docs/layout.md's layering rules: the inference side starts without the training stack."""
     import subprocess
     import sys
 

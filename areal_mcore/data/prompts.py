@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from areal_mcore.data.jsonl import LETTERS, DatasetConfig, Problem, load_problems
 
-# boba appends this to every question (DESIGN.md, eval and training prompts alike).
+# boba appends this to every question, eval and training prompts alike (docs/recipe.md).
 BOBA_SUFFIX = "Please reason step by step, and enclose your final answer in \\boxed{}."
 THINK = "<think>\n"
 

@@ -1,6 +1,6 @@
 """The SGLang request fields we speak (sglang 0.5.23 names), shared by the client and the
-embedded server so that neither can drift from the other; tests/test_rollout_contract.py
-pins them against DESIGN.md."""
+embedded server so that neither can drift from the other; docs/sglang_api.md describes
+them and tests/test_rollout_contract.py pins them against SGLang's own code."""
 
 from __future__ import annotations
 

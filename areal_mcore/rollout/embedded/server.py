@@ -1,4 +1,4 @@
-"""Embedded rollout server: SGLang's HTTP API (the subset in DESIGN.md) over a transformers
+"""Embedded rollout server: SGLang's HTTP API (the subset in docs/sglang_api.md) over a transformers
 model on CPU, so the whole RL loop runs where SGLang cannot.
 
     python -m areal_mcore.rollout.embedded.server --model-path HF_DIR --port 30000
