@@ -8,43 +8,36 @@ interpreter (``TRITON_INTERPRET=1``, read when the kernels are defined), which t
 use.
 """
 
-from __future__ import annotations
+if __name__ == "kernels":
+    # This folder is the package ``areal_mcore.kernels`` (setup.py's package_dir), never the
+    # top-level ``kernels``. Where the repository root is on sys.path (``python -m``/``-c`` or
+    # pytest run from it) it would shadow the environment's ``kernels`` package (the HF kernel
+    # hub), which transformers >= 5.25 imports on every model import
+    # (transformers/integrations/hub_kernels.py). So the name goes to the environment's
+    # package where it has one.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
 
-import functools
-import importlib
-
-import torch
-
-# "auto": Triton when CUDA is present and triton imports, the torch path otherwise.
-KERNEL_CHOICES = ("auto", "triton", "torch")
-
-
-@functools.cache
-def triton_available() -> bool:
-    try:
-        importlib.import_module("triton")
-    except Exception:  # ImportError, or a broken install that fails on import
-        return False
-    return True
-
-
-def use_triton(kernel: str, key: str) -> bool:
-    """Whether the config value ``kernel`` (of config key ``key``) selects Triton."""
-    if kernel not in KERNEL_CHOICES:
-        raise ValueError(f"{key}={kernel!r} is not allowed; choose one of {list(KERNEL_CHOICES)}")
-    if kernel == "auto":
-        return torch.cuda.is_available() and triton_available()
-    if kernel == "triton" and not triton_available():
-        raise ValueError(f"{key}=triton but triton does not import; `pip install triton` "
-                         f"or set {key}=auto (the torch path on machines without it)")
-    return kernel == "triton"
-
-
-def check_runnable(kernel_fn, device: torch.device, key: str) -> None:
-    """Compiled Triton kernels need CUDA tensors; the interpreter also takes CPU ones."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if device.type != "cuda" and not isinstance(kernel_fn, InterpretedFunction):
-        raise ValueError(f"{key}=triton needs CUDA tensors (got {device}); set "
-                         f"{key}=auto or torch on CPU (TRITON_INTERPRET=1 runs the kernels "
-                         "on CPU through Triton's interpreter, for tests)")
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        __name__, [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None:
+        # Where it has none, what Python itself gives for a folder on sys.path that is not a
+        # package (PEP 420): an empty namespace package, no __file__ (module_from_spec gives it
+        # a NamespaceLoader), so `from kernels import x` raises ImportError. transformers < 5.25
+        # finds the folder, imports it, and counts exactly this as "not installed"
+        # (utils/import_utils.py::_is_package_available); raising here would break its import.
+        _spec = importlib.machinery.ModuleSpec(__name__, None, is_package=True)
+    # Once this file has run, the import system returns what sys.modules holds under the name
+    # (importlib._bootstrap._load_unlocked), so the real package takes this one's place.
+    sys.modules[__name__] = _module = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
+else:
+    from areal_mcore.kernels.choice import (  # noqa: F401 (the package's API)
+        KERNEL_CHOICES,
+        check_runnable,
+        triton_available,
+        use_triton,
+    )
