@@ -226,3 +226,69 @@ def test_health_probes_go_direct_whatever_http_proxy_the_job_environment_sets(mo
         assert not healthy(f"127.0.0.1:{free_port()}")
     finally:
         server.shutdown()
+
+
+# What torchrun 2.13 hands rank 0 of `torchrun --nproc-per-node 2` (local_elastic_agent.py::
+# _start_workers, multiprocessing/api.py::DefaultLogsSpecs.reify).
+_TORCHRUN_ENV = {
+    "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "ROLE_NAME": "default",
+    "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0",
+    "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_ERROR_FILE": "/tmp/err.json",
+}
+
+
+def test_helpers_started_under_torchrun_inherit_none_of_its_variables(tmp_path, monkeypatch):
+    """Issue 42/1: a server inheriting TORCHELASTIC_USE_AGENT_STORE=True never hosts its
+    own TP group's store; reward workers are no ranks either."""
+    import areal_mcore.rollout.servers as launcher
+    from areal_mcore.reward import pool
+
+    for key, value in _TORCHRUN_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("KEEP_ME", "1")
+    monkeypatch.setattr(launcher, "server_command", lambda cfg, *, port, seed: ["true"])
+    monkeypatch.setattr(launcher, "_gpu_count", lambda: 0)
+    envs = []
+    monkeypatch.setattr(launcher, "ServerProcess", lambda cmd, **kw: envs.append(kw["env"]) or _Up())
+    launcher.launch_servers(ServerConfig(model_path="/m", backend="sglang", log_dir=str(tmp_path)))
+    launcher.launch_servers(ServerConfig(model_path="/m", log_dir=str(tmp_path)), env={**_TORCHRUN_ENV, "KEEP_ME": "1"})
+    monkeypatch.setattr(pool.subprocess, "Popen", lambda cmd, **kw: envs.append(kw["env"]))
+    pool._Worker(pool.RewardPoolConfig())
+    assert len(envs) == 3
+    for env in envs:
+        assert env["KEEP_ME"] == "1" and not set(_TORCHRUN_ENV) & set(env), sorted(set(_TORCHRUN_ENV) & set(env))
+
+
+_TCP_INIT_SERVER = """
+import datetime, socket, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+import torch.distributed as dist
+with socket.socket() as s:  # SGLang's TP group: tcp:// on a free port, this process rank 0
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=3))
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.mark.server
+def test_a_server_forming_its_own_tcp_group_comes_up_under_torchrun(tmp_path, monkeypatch):
+    """Issue 42/1, end to end: a stub server that forms its process group as SGLang does
+    (``tcp://``, rank 0) is healthy when launched from a torchrun rank."""
+    import os
+    import sys
+
+    import areal_mcore.rollout.servers as launcher
+
+    for key, value in _TORCHRUN_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(launcher, "server_command",
+                        lambda cfg, *, port, seed: [sys.executable, "-c", _TCP_INIT_SERVER, str(port)])
+    (server,) = launch_servers(ServerConfig(model_path="/m", log_dir=str(tmp_path), startup_timeout_s=60),
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    server.stop()

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from areal_mcore.checks import FieldError, check_positive
-from areal_mcore.procs import die_with_parent
+from areal_mcore.procs import child_env, die_with_parent
 from areal_mcore.reward.fn import DEFAULT_FN, import_root, load_reward_fn
 
 
@@ -80,7 +80,7 @@ class _Worker:
         inner = max(1, int(cfg.timeout_s / 3))
         # `python -m` puts the cwd first on sys.path, not the trainer's path: hand the
         # workers the folder reward.fn's module was imported from.
-        env, root = dict(os.environ), import_root(cfg.fn)
+        env, root = child_env(), import_root(cfg.fn)
         if root is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(

@@ -14,7 +14,7 @@ import time
 
 from areal_mcore.checks import field_error
 from areal_mcore.net import free_port, healthy, set_nccl_env
-from areal_mcore.procs import die_with_parent
+from areal_mcore.procs import child_env, die_with_parent
 from areal_mcore.rollout.config import ServerConfig
 from areal_mcore.rollout.engines import engine_for
 
@@ -108,10 +108,11 @@ class ServerProcess:
 def launch_servers(cfg: ServerConfig, *, default_log_dir: str | None = None,
                    env: dict | None = None) -> list[ServerProcess]:
     """Starts ``cfg.n_servers`` servers and waits until each answers ``/health``; they log
-    under ``cfg.log_dir``, else ``default_log_dir`` (the caller's output), else logs/rollout."""
+    under ``cfg.log_dir``, else ``default_log_dir`` (the caller's output), else logs/rollout.
+    ``env`` (default this process's) loses torchrun's variables either way (``procs.child_env``)."""
     log_dir = cfg.log_dir or default_log_dir or "logs/rollout"
     servers: list[ServerProcess] = []
-    env = engine_for(cfg.backend).env(cfg, dict(os.environ) if env is None else env)
+    env = engine_for(cfg.backend).env(cfg, child_env(env))  # a server is no rank of ours
     set_nccl_env(env)  # the weight-update group's settings, as the trainer's
     gpus = server_gpus(cfg, gpu_count=_gpu_count(), trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                        visible=os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -322,10 +322,29 @@ class PPORun:
 
     def evaluate(self, step: int) -> None:
         """Accuracy on the held-out problems (rank 0; every ``trainer.eval_freq`` steps,
-        before the first and after the last)."""
+        before the first and after the last); the other ranks wait for it."""
         freq, last = self.cfg.trainer.eval_freq, step == self.cfg.trainer.total_steps
-        if self.rollout_side is None or not freq or not (step % freq == 0 or last):
+        if not freq or not (step % freq == 0 or last):
             return
+        error = None
+        if self.rollout_side is not None:
+            try:
+                self._evaluate(step)
+            except Exception as e:  # the other ranks learn it below, then it is raised
+                error = e
+        # The other ranks wait out rank 0's eval here, on the gloo control group (with
+        # trainer.wait_timeout_s), as they wait out its rollout. Their next collectives
+        # are on NCCL groups, whose watchdog aborts a wait after the group's timeout, which
+        # a boba eval can outlast: log's pipeline broadcast (30 min: megatron's
+        # parallel_state.py::initialize_model_parallel, distributed_timeout_minutes) and
+        # maybe_save's WORLD barriers (10 min: torch's constants.py::default_pg_nccl_timeout).
+        failed = collectives.broadcast_object(error and f"{type(error).__name__}: {error}", 0, self.control)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"rank 0's eval after step {step} failed ({failed}); see rank 0's log")
+
+    def _evaluate(self, step: int) -> None:
         row = self._interruptible(self.rollout_side.evaluate)
         if row is None:  # no eval_dataset, or a signal abandoned it (a resumed run evaluates)
             if self._signalled:
@@ -439,7 +458,9 @@ class PPORun:
                 self._lock.close()
         if not barrier:
             return
-        collectives.barrier(dist.group.WORLD)
+        # On the control group: rank 0 gets here after stopping the servers and closing
+        # the logger (W&B's upload), which can outlast the NCCL watchdog (see evaluate).
+        collectives.barrier(self.control)
         if plot is not None:
             print(f"[ppo] stats: {self.files.stats}\n"
                   f"[ppo] tensorboard: tensorboard --logdir {self.run_dir / 'tensorboard'}\n"
