@@ -78,20 +78,46 @@ def broadcast_many(tensors: list[torch.Tensor], src: int, group: dist.ProcessGro
                    timeout_s: float) -> None:
     """Broadcasts from global rank ``src``, queued back to back and then awaited, all within
     ``timeout_s`` (the weight sync's tensors already live on the actor's device, which the
-    group serves). Without a timeout NCCL's ``Work.wait()`` returns once the broadcast is
-    queued on the stream, so the host never learns that a peer never joined; with one it
-    blocks until the work completes, else aborts the communicator and raises
-    (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, ``WorkNCCL::wait``: "a timeout
-    value is specified by the user, we block the CPU thread"). Gloo's wait honours it too
-    (a receiver that never receives: "Operation timed out!", measured)."""
+    group serves); a broadcast still pending then raises ``TimeoutError`` and leaves the
+    group to the caller, who aborts it (``transport.TorchGroup.abort``).
+
+    NCCL: the works are polled, never ``Work.wait(timeout)``. Without a timeout NCCL's wait
+    returns once the broadcast is queued on the stream, so the host never learns that a peer
+    never joined; with one it blocks, and at the bound aborts the communicator itself
+    (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, ``WorkNCCL::wait``; the abort sets
+    the communicator's async error, ``NCCLComm::abort``). The group's watchdog
+    (``Watchdog::runLoop``, every 100 ms) reads that error unless the group is already
+    terminating (``terminateProcessGroup_``, which only ``_abort_process_group`` sets) and,
+    with TORCH_NCCL_ASYNC_ERROR_HANDLING 1 (torchrun) or 3 (the default), takes the process
+    down: a race with our abort that the trainer could lose. ``is_completed`` only queries
+    the work's end event and the communicator's error (``WorkNCCL::isCompleted``); the
+    final ``wait()`` of a completed work orders the current stream after it and raises its
+    error, if any. Gloo: its wait honours the timeout and aborts nothing (a receiver that
+    never receives: "Operation timed out!", measured)."""
     deadline = time.monotonic() + timeout_s
     moved = [on_group_device(t, group) for t in tensors]
     works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in moved]
-    for w in works:
-        w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+    if _nccl_serves(group, moved):
+        while not all(w.is_completed() for w in works):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"NCCL broadcast of {len(tensors)} tensors not complete after "
+                                   f"{timeout_s:g} s: a receiver never joined it")
+            time.sleep(1e-3)
+        for w in works:
+            w.wait()
+    else:
+        for w in works:
+            w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
     for t, m in zip(tensors, moved):
         if m is not t:
             t.copy_(m)
+
+
+def _nccl_serves(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> bool:
+    """Whether NCCL runs ``group``'s collectives on these tensors' device ("cuda:nccl" in
+    ``dist.get_backend_config``)."""
+    kinds = {t.device.type for t in tensors}
+    return any(f"{kind}:nccl" in dist.get_backend_config(group).split(",") for kind in kinds)
 
 
 def broadcast_pynccl(tensors: list[torch.Tensor], src: int, communicator, *,
@@ -143,6 +169,35 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Receives into ``tensor`` from global rank ``src``; returns ``tensor``."""
     return _in_place(tensor, group, lambda t: dist.recv(t, src=src, group=group))
+
+
+def send_recv_many(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                   group: dist.ProcessGroup | None) -> None:
+    """This rank's point-to-point sends and receives ((tensor, global peer rank) pairs), issued
+    as one batch and awaited; received values land in the given tensors. Under NCCL a batch
+    runs on the group's own communicator, while each lone send/recv pair gets a 2-rank
+    communicator of its own (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp::pointToPoint:
+    ``batchP2P`` keys the communicator by device, a single P2P by the rank pair). The group
+    must have run a collective before: a batch that is the group's first needs every rank
+    (torch/distributed/distributed_c10d.py::batch_isend_irecv)."""
+    moved = [(on_group_device(t, group), t) for t, _ in recvs]
+    ops = [dist.P2POp(dist.isend, on_group_device(t.contiguous(), group), peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, m, peer, group) for (m, _), (_, peer) in zip(moved, recvs)]
+    if ops:
+        works = dist.batch_isend_irecv(ops)
+        # NCCL: complete on the host, not only on the stream (its wait() returns once
+        # queued), so the staged copies are freed here and the caller's next batch reuses
+        # their memory; a peer that never posts its side is ended by the group's watchdog
+        # timeout. Gloo's wait() blocks, and its point-to-point works report completion
+        # only through it (polling is_completed() there never ends).
+        if _nccl_serves(group, [op.tensor for op in ops]):
+            while not all(w.is_completed() for w in works):
+                time.sleep(1e-4)
+        for work in works:
+            work.wait()
+    for m, t in moved:
+        if m is not t:
+            t.copy_(m)
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:

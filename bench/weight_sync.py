@@ -123,16 +123,16 @@ async def one_config(actor, addresses, bucket_mb: float, flatten: bool, repeats:
     syncer = weight_syncer(cfg, actor, addresses)
     params = {p.untyped_storage().data_ptr() for p in actor.model.module.parameters()}
     owned: list[list[int]] = []  # per push, per bucket
-    pack = syncer._pack
+    gather = syncer._gather
 
-    def counting_pack(plan, i, shards, stats):
-        payload = pack(plan, i, shards, stats)
+    def counting_gather(plan, i, stats):
+        payload = gather(plan, i, stats)
         shared = params | {t.untyped_storage().data_ptr() for b in syncer._buffers for t in b._bufs.values()}
         fresh = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in payload
                  if t.untyped_storage().data_ptr() not in shared}
         owned[-1].append(sum(fresh.values()))
         return payload
-    syncer._pack = counting_pack
+    syncer._gather = counting_gather
     await syncer.connect()
     runs = []
     for version in range(1 + repeats):

@@ -154,6 +154,36 @@ def test_an_nccl_broadcast_that_never_completes_raises_at_its_bound(monkeypatch)
     assert sent == [(3,), (2, 2)] and time.monotonic() - t < 3
 
 
+def _unreceived_nccl_broadcast(rank, world):
+    g = dist.new_group([0, 1])
+    log = nccl_like(setattr, g)
+    if rank == 1:  # never takes part
+        time.sleep(6)
+        return None
+    with FakeCuda():
+        tensors = [torch.ones(4, device="cuda"), torch.ones(2**16, device="cuda")]
+        t = time.monotonic()
+        try:
+            collectives.broadcast_many(tensors, 0, g, timeout_s=2)
+            error = None
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            error = f"{type(e).__name__}: {e}"
+    return time.monotonic() - t, error, log
+
+
+def test_an_nccl_group_broadcast_nobody_receives_is_polled_to_its_bound_never_waited_with_a_timeout():
+    """NCCL's ``Work.wait(timeout)`` aborts the communicator at its bound, and the group's
+    watchdog can see that error before the sync's own abort marks the group terminating:
+    with TORCH_NCCL_ASYNC_ERROR_HANDLING 1 or 3 it ends the process instead of the push
+    failing (collectives.broadcast_many). Over an NCCL-like group (tests/_fake_cuda.py:
+    ``NcclWork`` logs such a wait) the bound is polled, and the push's error path still
+    gets an exception at its bound (weight_sync/distributed.py: ``_answers``)."""
+    took, error, log = run_gloo(_unreceived_nccl_broadcast, 2)[0]
+    assert log == ["broadcast", "broadcast"], log  # no "wait(timeout)"
+    assert error is not None and error.startswith("TimeoutError") and "never joined" in error, error
+    assert 1.5 < took < 5, took
+
+
 def _ppo() -> PPOConfig:
     return PPOConfig(reward_bias=-0.5, reward_scaling=10.0,
                      reward_norm=NormConfig(mean_level="group", std_level="group", group_size=4),

@@ -359,18 +359,25 @@ def _ep_sync_buckets_on_fake_cuda(rank, world):
     got, on_gpu = {}, []
     with FakeCuda():
         weights = {n: t.to("cuda") for n, t in shard.items()}
-        syncer = SimpleNamespace(  # what _collect and _pack read of a DistributedSync
-            g=SimpleNamespace(ep=ep, ep_rank=rank, ep_size=2, tp=None, tp_size=1, pp_rank=0, pp_size=1),
-            actor=SimpleNamespace(args=args, model=SimpleNamespace(module=SimpleNamespace(
-                named_parameters=weights.items))),
-            _buffers=(ReusableBuffer("cuda"), ReusableBuffer("cuda")), _flatten=lambda: True)
+        syncer = DistributedSync.__new__(DistributedSync)  # what _gather reads of one
+        syncer.g = SimpleNamespace(ep=ep, ep_rank=rank, ep_size=2, tp=None, tp_size=1, pp_rank=0, pp_size=1)
+        syncer.roles = SimpleNamespace(sender=True)
+        syncer.actor = SimpleNamespace(args=args, model=SimpleNamespace(module=SimpleNamespace(
+            named_parameters=weights.items)))
+        syncer._buffers = (ReusableBuffer("cuda"), ReusableBuffer("cuda"))
+        syncer._flatten = lambda: True
+        collect = syncer._collect
+
+        def collect_on_gpu(*a):
+            # No host round trip: collectives would stage a CPU tensor onto the group's
+            # device and back, correct but a copy of every expert through host memory.
+            parts = collect(*a)
+            on_gpu.append(all(map(is_fake_cuda, parts)))
+            return parts
+        syncer._collect = collect_on_gpu
         for i in range(len(plan.buckets)):
-            stats = SyncStats()
-            shards = DistributedSync._collect(syncer, plan, i, stats)
-            (flat,) = DistributedSync._pack(syncer, plan, i, shards, stats)
-            # No host round trip: collectives would stage a CPU tensor onto the group's device
-            # and back, correct but a copy of every expert through host memory.
-            on_gpu.append(all(map(is_fake_cuda, shards[0])) and is_fake_cuda(flat))
+            (flat,) = syncer._gather(plan, i, SyncStats())
+            on_gpu.append(is_fake_cuda(flat))
             names, shapes = plan.bucket_meta(i)
             parts = flat.cpu().view(torch.float32).split([torch.Size(s).numel() for s in shapes])
             got.update({n: p.view(s) for n, p, s in zip(names, parts, shapes, strict=True)})

@@ -175,7 +175,7 @@ def test_qwen3_30b_a3b_is_qwen3_8bs_recipe_and_its_plan_reads_ep_from_the_alloca
     assert stage_params(args, TrainerShape(tp=2, ep=8), 0) - stage_params(args, TrainerShape(tp=2, ep=16), 0) == experts // 2
     # expert-DP is d8 / e8 = 1: the experts' Adam moments are not sharded
     assert peak.terms["optimizer"] > 8.0 * experts and "(EP 8; their optimizer state over expert-DP 1)" in peak.notes["weights"]
-    assert peak.total / GiB == pytest.approx(54.4, abs=0.05)
+    assert peak.total / GiB == pytest.approx(55.9, abs=0.05)
 
 
 def test_an_moe_config_that_does_not_fit_is_offered_more_ep_with_the_allocations_e():

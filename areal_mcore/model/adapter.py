@@ -306,10 +306,16 @@ def to_hf(shards: list[dict[str, torch.Tensor]], args: ModelArgs, *, pp_rank: in
                                            ep_size=ep_size):
         if only is not None and name not in only:
             continue
-        _, merge = _KINDS[p.kind]
-        for h, t in zip(hf_names, merge([s[name] for s in shards], args), strict=True):
+        for h, t in zip(hf_names, merge(p.kind, [s[name] for s in shards], args), strict=True):
             out[h] = t.contiguous() if contiguous else t
     return out
+
+
+def merge(kind: str, shards: list[torch.Tensor], args: ModelArgs) -> list[torch.Tensor]:
+    """One parameter's HF tensors, in its ``ParamMap.hf`` order, from its tensor on every TP
+    rank (``kind``: its ``ParamMap.kind``): views where the layout allows (a lone shard,
+    q/k/v of a fused weight), else one concatenation of the shards."""
+    return _KINDS[kind][1](shards, args)
 
 
 def hf_names(args: ModelArgs) -> list[str]:

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from areal_mcore.launcher.allocation import parse_allocation
-from areal_mcore.model.args import ModelArgs
+from areal_mcore.model.args import ModelArgs, padded_vocab_size
 from areal_mcore.plan.architectures import resolve_architecture
 from areal_mcore.plan.concurrency import concurrency
 from areal_mcore.plan.lengths import boba_lengths, dump_lengths
@@ -23,6 +23,7 @@ from areal_mcore.plan.memory import (
     server_plan,
     trainer_plan,
 )
+from areal_mcore.weight_sync.buckets import sync_memory_bytes
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -58,9 +59,12 @@ def trainer_dp(cfg) -> int:
     return 1
 
 
-def trainer_shape(cfg, gpu_bytes: float) -> TrainerShape:
+def trainer_shape(cfg, gpu_bytes: float, args: ModelArgs) -> TrainerShape:
     a, p = cfg.actor, cfg.actor.parallel
-    sync = 2 * cfg.weight_sync.bucket_mb * 2**20 if cfg.rollout is not None else 0  # gathered + flat bucket
+    sync = sync_memory_bytes(
+        args, bucket_bytes=int(cfg.weight_sync.bucket_mb * 2**20), dtype_bytes=_DTYPE_BYTES[cfg.weight_sync.dtype],
+        actor_dtype_bytes=_DTYPE_BYTES[a.dtype], tp=p.tp, ep=p.ep,
+        padded_vocab=padded_vocab_size(args.vocab_size, p.tp, a.vocab_divisible_by)) if cfg.rollout is not None else 0
     return TrainerShape(
         tp=p.tp, pp=p.pp, dp=trainer_dp(cfg), ep=p.ep, sequence_parallel=p.use_sequence_parallel,
         recompute=a.recompute, recompute_granularity=a.recompute_granularity,
@@ -94,7 +98,7 @@ def make_plan(cfg, gpu_memory_gb: float | None = None, *, with_fixes: bool = Tru
     args, source = resolve_architecture(cfg.model_path, cfg.plan.architecture)
     shape = server_shape(cfg, gpu_bytes)
     plan = Plan(architecture=source, gpu_bytes=gpu_bytes, dp=trainer_dp(cfg),
-                trainer=trainer_plan(args, trainer_shape(cfg, gpu_bytes)),
+                trainer=trainer_plan(args, trainer_shape(cfg, gpu_bytes, args)),
                 server=server_plan(args, shape) if shape else None)
     if plan.server is not None:
         plan.server.update(rollout_concurrency(cfg, plan.server))

@@ -24,6 +24,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Unit:
     mcore: str  # megatron parameter name (stage-local)
     hf: tuple[tuple[str, tuple[int, ...]], ...]  # (HF name, HF shape) it converts to
+    kind: str  # its ParamMap.kind: how its TP shards merge (adapter.merge)
     # Experts: the expert-parallel rank whose ``mcore`` (a local expert) this is; every EP
     # rank has the same local names, each for other global experts. None: not an expert.
     ep_rank: int | None = None
@@ -73,7 +74,8 @@ def make_plan(shard_shapes: dict[str, torch.Size], args: ModelArgs, *, tp_size: 
         for r in range(ep_size) if p.per_expert else (None,):
             hf = adapter.to_hf([meta] * tp_size, args, pp_rank=pp_rank, pp_size=pp_size, only={name},
                                ep_rank=r or 0, ep_size=ep_size)
-            units.append(Unit(mcore=name, hf=tuple((n, tuple(t.shape)) for n, t in hf.items()), ep_rank=r))
+            units.append(Unit(mcore=name, hf=tuple((n, tuple(t.shape)) for n, t in hf.items()), kind=p.kind,
+                              ep_rank=r))
     sizes = [u.nbytes(DTYPES[dtype]) for u in units]
     buckets = tuple(tuple(units[i] for i in b) for b in assign_buckets(sizes, bucket_bytes))
     return SyncPlan(pp_rank=pp_rank, dtype=dtype, buckets=buckets, key=plan_key(shard_shapes))
@@ -93,3 +95,24 @@ def assign_buckets(sizes: list[int], budget: int) -> list[list[int]]:
         buckets[-1].append(i)
         used += size
     return buckets
+
+
+def largest_unit_elements(args: ModelArgs, padded_vocab: int | None = None) -> int:
+    """Elements of the model's largest unit (one megatron parameter's HF tensors, or its
+    gathered TP shards: the vocabulary ``padded_vocab`` rows then): the embedding or lm
+    head, a fused q/k/v, a dense, shared or expert gate/up."""
+    h = args.hidden_size
+    return max((padded_vocab or args.vocab_size) * h, (args.num_heads + 2 * args.num_kv_heads) * args.head_dim * h,
+               2 * h * max(args.ffn_hidden_size, args.moe_ffn_hidden_size, args.shared_expert_ffn_hidden_size))
+
+
+def sync_memory_bytes(args: ModelArgs, *, bucket_bytes: int, dtype_bytes: int, actor_dtype_bytes: int,
+                      tp: int, ep: int = 1, padded_vocab: int | None = None) -> int:
+    """Device memory a distributed push holds beyond the actor's (``distributed._gather``):
+    two bucket buffers, each the larger of a bucket and the largest unit (which gets a
+    bucket of its own); and where units are gathered, one unit's worth in the actor's dtype:
+    at TP > 1 its all-gathered shards and their concatenation (``adapter.merge``), at EP > 1
+    the shard of another EP rank's expert (broadcast into a fresh tensor)."""
+    unit = largest_unit_elements(args, padded_vocab)
+    held = (2 if tp > 1 else 0) + (1 / tp if ep > 1 else 0)
+    return int(2 * max(bucket_bytes, unit * dtype_bytes) + held * unit * actor_dtype_bytes)

@@ -8,8 +8,10 @@ shards bucket by bucket; the stage's head (TP rank 0) converts them to HF names 
 with the adapter, casts them to the rollout dtype and broadcasts them over its own update
 group (trainer = rank 0, server TP rank r = ``rank_offset + r``), so no rank ever holds more
 than its stage. While bucket k is on the wire (HTTP request + broadcast), bucket k+1 is
-gathered and packed into the second of two buffers: one bucket of extra memory at most.
-Other data-parallel replicas hold the same weights and do nothing.
+gathered and packed into the second of two buffers, unit by unit (``_gather``): two buckets
+and, at TP > 1, one unit's shards and their concatenation at most
+(``buckets.sync_memory_bytes``, what the memory plan charges). Other data-parallel replicas
+hold the same weights and do nothing.
 
 Groups (``connect``): each stage head forms its own group (``group.py``, the same store
 recipe as SGLang's) under a name unique to this connection, one stage at a time: a server
@@ -45,7 +47,7 @@ from areal_mcore.model import adapter
 from areal_mcore.net import free_port
 from areal_mcore.rollout.protocol import RolloutError
 from areal_mcore.rollout.weights import ReusableBuffer
-from areal_mcore.weight_sync.buckets import DTYPES, SyncPlan, make_plan, plan_key
+from areal_mcore.weight_sync.buckets import DTYPES, SyncPlan, Unit, make_plan, plan_key
 from areal_mcore.weight_sync.group import routable_address
 from areal_mcore.weight_sync.syncer import Roles, Syncer, SyncStats, WeightSyncError
 from areal_mcore.weight_sync.transport import open_group
@@ -200,13 +202,9 @@ class DistributedSync(Syncer):
         stats.dropped_servers = await self._drop_gone_servers()
         if self._regroup:
             await self._form_groups()
-        # Bucket 0 is collected now (the TP all-gather: at the same point on every rank of
-        # the stage, never beside another collective) and packed on a thread (local work)
-        # while the servers pause: the first send need not wait for it.
-        plan = self.plan()
-        shards = await self._in_thread(self._collect, plan, 0, stats)
-        first = (asyncio.ensure_future(self._in_thread(self._pack, plan, 0, shards, stats))
-                 if self.roles.sender else None)
+        # Bucket 0 is gathered and packed now: its TP all-gathers run at the same point on
+        # every rank of the stage, never beside another collective.
+        first = await self._in_thread(self._gather, self.plan(), 0, stats)
         try:
             await self.coordinate(stats, "pausing the servers",
                                   lambda: self.updater.begin(self.cfg.pause_mode))
@@ -218,8 +216,6 @@ class DistributedSync(Syncer):
                                   lambda: self.updater.finish(self.cfg.pause_mode, str(version)))
         except WeightSyncError:
             self._regroup = True
-            if first is not None:  # no thread may still write a buffer the next push reuses
-                await asyncio.gather(first, return_exceptions=True)
             if self.roles.coordinator:  # no session may stay open: the next begin would fail
                 await self.updater.end(best_effort=True)
             raise
@@ -245,16 +241,16 @@ class DistributedSync(Syncer):
         self._regroup = True  # the groups' world size changed
         return gone
 
-    async def _send_stage(self, version: int, stats: SyncStats, first: asyncio.Future | None) -> None:
-        """This stage's buckets; ``first``: bucket 0's payload (being packed)."""
+    async def _send_stage(self, version: int, stats: SyncStats, first: list[torch.Tensor] | None) -> None:
+        """This stage's buckets; ``first``: bucket 0's payload."""
         plan = self.plan()
         n = len(plan.buckets)
-        if not self.roles.sender:  # TP peers: take part in every later bucket's all-gather
+        if not self.roles.sender:  # TP peers: take part in every later bucket's all-gathers
             for i in range(1, n):
-                self._collect(plan, i, stats)
+                self._gather(plan, i, stats)
             return
         last_stage = self.g.pp_rank == self.g.pp_size - 1
-        payload = await first
+        payload = first
         for i in range(n):
             nxt = (asyncio.ensure_future(self._in_thread(self._gather, plan, i + 1, stats))
                    if i + 1 < n else None)  # overlaps this bucket's send
@@ -327,48 +323,64 @@ class DistributedSync(Syncer):
         finally:
             setattr(stats, key, getattr(stats, key) + time.perf_counter() - t)
 
-    def _gather(self, plan: SyncPlan, i: int, stats: SyncStats) -> list[torch.Tensor]:
-        """The stage head's bucket ``i``, ready to send (its TP peers collect it with it)."""
-        return self._pack(plan, i, self._collect(plan, i, stats), stats)
+    def _gather(self, plan: SyncPlan, i: int, stats: SyncStats) -> list[torch.Tensor] | None:
+        """Bucket ``i`` as it goes on the wire (HF names and layout, the rollout dtype) on the
+        stage head; None on its TP peers, which take part in its gathers.
 
-    def _collect(self, plan: SyncPlan, i: int, stats: SyncStats) -> list[list[torch.Tensor]]:
-        """Bucket ``i``'s megatron tensors of every TP rank, per unit (an all-gather over
-        TP). An expert unit of another EP rank first comes from that rank: its owner
-        broadcasts its shard over the EP group, every TP rank its own (local expert names
-        are the same on every EP rank, each for other global experts)."""
-        t0 = time.perf_counter()
-        g, weights = self.g, adapter.module_weights(self.actor.model.module)
-        shards: list[list[torch.Tensor]] = [[] for _ in range(g.tp_size)]
-        for unit in plan.buckets[i]:
-            local = weights[unit.mcore].detach()
-            if unit.ep_rank is not None and g.ep_size > 1:
-                owned = local if unit.ep_rank == g.ep_rank else torch.empty_like(local)
-                local = collectives.broadcast(owned, dist.get_global_rank(g.ep, unit.ep_rank), g.ep)
-            parts = [local] if g.tp_size == 1 else collectives.all_gather(local, g.tp)
-            for r in range(g.tp_size):
-                shards[r].append(parts[r])
-        stats.gather_s += time.perf_counter() - t0
-        return shards
-
-    def _pack(self, plan: SyncPlan, i: int, shards: list[list[torch.Tensor]],
-              stats: SyncStats) -> list[torch.Tensor]:
-        """Bucket ``i`` in HF names and layout, in the rollout dtype, as it goes on the wire."""
-        t1 = time.perf_counter()
-        g, hf = self.g, {}
-        # One conversion per EP rank the bucket's experts come from (its global names).
-        for source in {u.ep_rank for u in plan.buckets[i]}:
-            picked = [k for k, u in enumerate(plan.buckets[i]) if u.ep_rank == source]
-            # Views where the HF layout allows (TP=1): pack_bucket copies each tensor once.
-            hf.update(adapter.to_hf([{plan.buckets[i][k].mcore: tp[k] for k in picked} for tp in shards],
-                                    self.actor.args, pp_rank=g.pp_rank, pp_size=g.pp_size,
-                                    only={plan.buckets[i][k].mcore for k in picked}, contiguous=False,
-                                    ep_rank=source or 0, ep_size=g.ep_size))
-        order, shapes = plan.bucket_meta(i)
-        # Two buffers: bucket i + 1 is filled while bucket i is on the wire.
-        payload = pack_bucket(self._buffers[i % 2], [hf[n] for n in order], shapes,
-                              DTYPES[plan.dtype], flatten=self._flatten())
-        stats.convert_s += time.perf_counter() - t1
+        Unit by unit: a unit is gathered, converted and copied into this bucket's buffer
+        before the next one is gathered, so beside the two buffers (this bucket's, and the
+        one on the wire) a push holds one unit's gathered shards and their concatenation at
+        most (``buckets.sync_memory_bytes``). Where nothing is gathered (TP=1, this EP rank's
+        own weights) the HF tensors are views of the parameters, and an unflattened bucket
+        sends what is contiguous in the rollout dtype as it is (``pack_bucket``)."""
+        t0, gather_s = time.perf_counter(), stats.gather_s
+        units, g = plan.buckets[i], self.g
+        weights = adapter.module_weights(self.actor.model.module)
+        if not self.roles.sender:
+            for unit in units:
+                self._collect(weights, unit, stats)
+            return None
+        _, shapes = plan.bucket_meta(i)
+        dtype, buffer, flatten = DTYPES[plan.dtype], self._buffers[i % 2], self._flatten()
+        gathers = g.tp_size > 1 or any(u.ep_rank not in (None, g.ep_rank) and g.ep_size > 1 for u in units)
+        if not flatten and not gathers:
+            views = [t for u in units for t in self._convert(weights, u, stats)]
+            payload = pack_bucket(buffer, views, shapes, dtype, flatten=False)
+        else:
+            flat, slots = buffer.views(shapes, dtype)
+            k = 0
+            for unit in units:
+                self._convert(weights, unit, stats, into=slots[k:k + len(unit.hf)])
+                k += len(unit.hf)
+            payload = [flat.view(torch.uint8)] if flatten else slots
+        stats.convert_s += time.perf_counter() - t0 - (stats.gather_s - gather_s)
         return payload
+
+    def _convert(self, weights: dict[str, torch.Tensor], unit: Unit, stats: SyncStats, *,
+                 into: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+        """``unit``'s HF tensors (views where the layout allows); with ``into``, copied into
+        those slots (cast to their dtype) instead, and the gathered shards and their
+        concatenation freed on return."""
+        hf = adapter.merge(unit.kind, self._collect(weights, unit, stats), self.actor.args)
+        if into is None:
+            return hf
+        for slot, t in zip(into, hf, strict=True):
+            slot.copy_(t)
+        return None
+
+    def _collect(self, weights: dict[str, torch.Tensor], unit: Unit, stats: SyncStats) -> list[torch.Tensor]:
+        """``unit``'s megatron tensor on every TP rank (an all-gather over TP; at TP=1 the
+        parameter itself). An expert unit of another EP rank first comes from that rank:
+        its owner broadcasts its shard over the EP group, every TP rank its own (local
+        expert names are the same on every EP rank, each for other global experts)."""
+        t0 = time.perf_counter()
+        g, local = self.g, weights[unit.mcore].detach()
+        if unit.ep_rank is not None and g.ep_size > 1:
+            owned = local if unit.ep_rank == g.ep_rank else torch.empty_like(local)
+            local = collectives.broadcast(owned, dist.get_global_rank(g.ep, unit.ep_rank), g.ep)
+        parts = [local] if g.tp_size == 1 else collectives.all_gather(local, g.tp)
+        stats.gather_s += time.perf_counter() - t0
+        return parts
 
     def _broadcast(self, payload: list[torch.Tensor]) -> None:
         bound = self.cfg.bucket_timeout_s or self.cfg.timeout_s / 2
