@@ -197,3 +197,54 @@ def test_the_loss_gets_the_micro_batch_on_the_actors_device(pad):
     assert all(is_fake_cuda(t) for t in (p.cu_seqlens_q, p.cu_seqlens_q_padded))
     assert (p.cu_seqlens_q_padded is p.cu_seqlens_q) == (pad == 1)
     assert p.cu_seqlens_kv_padded is p.cu_seqlens_q_padded and p.cu_seqlens_kv is p.cu_seqlens_q
+
+
+@pytest.mark.parametrize("tp,built_on", [(1, "cuda"), (2, "cuda"), (2, "cpu")])
+def test_the_micro_batch_loop_never_waits_for_the_device(tp, built_on):
+    """Issue 42, finding 4. On a GPU the PPO batch is built on the device (trainer/batch.py)
+    and the SFT batch on the host; planning a minibatch (TP alignment, micro-batch bins,
+    selection) and each micro-batch's forward step and loss must not block the host on the
+    device (tests/_fake_cuda.py logs what would). The only syncs left are TE's: with
+    sequence parallelism (TP=2) the sequences are padded to TP and TE 2.4-2.10 compares the
+    padded cu_seqlens with the true ones in every attention layer (DotProductAttention.forward,
+    pad_between_seqs); unpadded, the actor passes one tensor and the compare is free."""
+    from types import SimpleNamespace
+
+    from _fake_cuda import FakeCuda
+
+    from areal_mcore.actor.megatron_actor import MegatronActor
+    from areal_mcore.packing import allocate_micro_batches
+
+    layers, vocab, cap = 3, 16, 24
+    seqs = _seqs([7, 12, 5, 9, 11, 3])  # odd lengths: padded under sequence parallelism at TP=2
+    fields = {k: [v.float() for v in vs] for k, vs in _train_fields(seqs).items()}
+    actor = SimpleNamespace(device=torch.device("cuda", 0), args=SimpleNamespace(vocab_size=vocab),
+                            cfg=SimpleNamespace(logprob_kernel="torch"), _router_counts=None,
+                            groups=SimpleNamespace(tp_rank=0, tp=None, tp_size=tp),
+                            config=SimpleNamespace(sequence_parallel=tp > 1))
+
+    def model(ids, pos, attention_mask, packed_seq_params):
+        p = packed_seq_params
+        for _ in range(layers):  # TE 2.4-2.10 DotProductAttention.forward, per layer
+            torch.equal(p.cu_seqlens_q_padded[:-1], p.cu_seqlens_q[:-1])
+        return torch.randn(1, ids.shape[1], vocab, device="cuda")
+
+    def loss_func(mb, logits):
+        logp, _ = MegatronActor._logprobs(actor, mb, logits, temperature=1.0)
+        return _ppo_loss(logp, mb, tokens, None)
+
+    with FakeCuda() as device:
+        tokens = torch.tensor(50.0).to("cuda")  # (the minibatch's count: one all-reduce per minibatch)
+        on = [s.to(built_on) for s in seqs], {k: [v.to(built_on) for v in vs] for k, vs in fields.items()}
+        batch = pack(*on)
+        device.syncs.clear()
+        sub = MegatronActor._tp_aligned(actor, batch)
+        micro = sub.select_many(allocate_micro_batches(sub.seqlens_padded, cap))
+        planning = list(device.syncs)
+        for mb in micro:
+            logits, on_logits = MegatronActor._forward_step(actor, loss_func, iter([mb]), model)
+            on_logits(logits)
+    loop = device.syncs[len(planning):]
+    assert len(micro) > 1
+    assert loop == (["equal"] * layers * len(micro) if tp > 1 else [])  # TE's own, per layer
+    assert planning == []

@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -51,6 +52,7 @@ from areal_mcore.packing import (
     pack,
     unpack,
 )
+from areal_mcore.packing.thd import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LossFn = Callable[[torch.Tensor, PackedBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
@@ -266,33 +268,34 @@ class MegatronActor:
     # ------------------------------------------------------------------ forward
 
     def _forward_step(self, loss_func, data_iterator: Iterator[PackedBatch], model):
-        # Compared on the host, before the move: without padding the layouts are equal, and
-        # TE 2.4-2.10's DotProductAttention compares cu_seqlens_q_padded with cu_seqlens_q
-        # on the device (a sync per layer) unless they are the same tensor (AReaL passes one).
-        host_mb = next(data_iterator)
-        unpadded = torch.equal(host_mb.cu_seqlens, host_mb.cu_seqlens_padded)
+        # No host sync here (on a GPU the batch is built on the device, trainer/batch.py):
+        # what the host needs, the lengths, the packer kept on the host. Without padding
+        # the four cu_seqlens are one tensor: TE 2.4-2.10 compares the padded ones with
+        # the true ones in every layer, on the host unless they alias
+        # (transformer_engine/pytorch/attention/dot_product_attention/
+        # dot_product_attention.py::DotProductAttention.forward, pad_between_seqs).
         # The whole micro-batch moves: the loss multiplies the logprobs (on the device) by
-        # its fields (loss mask, advantages), which stayed on the CPU before.
-        mb = host_mb.to(self.device)
-        cu_padded = mb.cu_seqlens if unpadded else mb.cu_seqlens_padded
+        # its fields (loss mask, advantages).
+        mb = next(data_iterator).to(self.device)
+        cu_padded = mb.cu_seqlens_padded if mb.padded else mb.cu_seqlens
         params = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
             cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
             max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen,
         )
         experts = None
-        if router_replay.FIELD in host_mb.fields:  # without it the routers are idle (_run stops them)
-            routers, experts = self._stage_routing(model, host_mb, mb)
+        if router_replay.FIELD in mb.fields:  # without it the routers are idle (_run stops them)
+            routers, experts = self._stage_routing(model, mb)
             # megatron checkpoints whole layers only in training (TransformerBlock.forward)
             recompute = model.training and self.config.recompute_granularity == "full"
             router_replay.start(routers, experts, self.cfg.router_replay, recompute)
         output = model(mb.input_ids.unsqueeze(0), mb.position_ids.unsqueeze(0), attention_mask=None,
                        packed_seq_params=params)
         if experts is not None and self._router_counts is not None:
-            real_T = torch.zeros(host_mb.input_ids.numel(), dtype=torch.bool)
-            for start, n in zip(host_mb.cu_seqlens_padded[:-1].tolist(), host_mb.seqlens, strict=True):
+            real_T = torch.zeros(mb.input_ids.numel(), dtype=torch.bool)
+            for start, n in zip(accumulate(mb.seqlens_padded[:-1], initial=0), mb.seqlens, strict=True):
                 real_T[start:start + n] = True
-            real = self._local_tokens(real_T).to(self.device)
+            real = to_device(self._local_tokens(real_T), self.device)
             self._router_counts += router_replay.disagreement_counts(routers, experts, real)
         return output, partial(loss_func, mb)
 
@@ -300,7 +303,7 @@ class MegatronActor:
         return router_replay.local_tokens(x_T, self.groups.tp_rank, self.groups.tp_size,
                                           self.config.sequence_parallel)
 
-    def _stage_routing(self, model, host_mb: PackedBatch, mb: PackedBatch) -> tuple[list, torch.Tensor | None]:
+    def _stage_routing(self, model, mb: PackedBatch) -> tuple[list, torch.Tensor | None]:
         """This stage's routers in ``model`` and the rollout's experts for them: the
         micro-batch's routed_experts [T, num_layers, K] cut to this stage's MoE layers and
         to the tokens this rank's routers see (None without the field or routers)."""
@@ -310,7 +313,7 @@ class MegatronActor:
         experts = mb.fields.get(router_replay.FIELD)
         if not routers or experts is None:
             return routers, None
-        shape, want = tuple(host_mb.fields[router_replay.FIELD].shape), (self.args.num_layers, self.args.moe_top_k)
+        shape, want = tuple(experts.shape), (self.args.num_layers, self.args.moe_top_k)
         if len(shape) == 2 and shape[1] == want[0] * want[1]:  # the rollout's [T, W] (trainer/dispatch.py)
             experts, shape = experts.view(-1, *want), (shape[0], *want)
         if len(shape) != 3 or shape[1:] != want:
@@ -383,7 +386,7 @@ class MegatronActor:
             self.router_disagreement = self._reduce_router_counts() if measure else None
         out_T = torch.zeros(batch.input_ids.numel(), dtype=torch.float32, device=self.device)
         if g.is_last_stage:
-            starts = batch.cu_seqlens_padded[:-1].tolist()
+            starts = list(accumulate(batch.seqlens_padded, initial=0))
             for b, mb, out in zip(bins, micro, outputs, strict=True):
                 for i, logp in zip(b, mb.split(out["logprobs"]), strict=True):
                     out_T[starts[i] : starts[i] + logp.numel()] = logp

@@ -8,13 +8,17 @@ experts [T, moe_layers, top_k]). Optional padding rounds each sequence up to a m
 alignment for TransformerEngine); padded positions hold ``pad_token_id`` in
 ``input_ids`` and zero in every field, so a ``loss_mask`` field masks them out of the
 loss. ``cu_seqlens`` gives the true sequence boundaries, ``cu_seqlens_padded`` the
-layout of the packed row (TE's ``cu_seqlens_q_padded``); without padding they are equal.
+layout of the packed row (TE's ``cu_seqlens_q_padded``); without padding they are one
+tensor. The lengths are also kept on the host (``seqlens``, ``seqlens_padded``): on a GPU
+the batch lives on the device, and reading a device tensor's values (``.tolist()``,
+``torch.equal``) blocks the host until the GPU has caught up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
 import torch
 
@@ -26,31 +30,31 @@ class PackedBatch:
     input_ids: torch.Tensor  # [T]
     position_ids: torch.Tensor  # [T], restarting at 0 for each sequence
     cu_seqlens: torch.Tensor  # [B1] int32, true lengths
-    cu_seqlens_padded: torch.Tensor  # [B1] int32, layout of the packed row
+    cu_seqlens_padded: torch.Tensor  # [B1] int32, layout of the packed row (cu_seqlens itself if unpadded)
     max_seqlen: int
+    seqlens: list[int]  # the true lengths, on the host
+    seqlens_padded: list[int]  # segment lengths of the layout (what micro-batch budgets count), on the host
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # each [T] or [T, ...]
     pad_to_multiple_of: int = 1
 
     @property
     def num_seqs(self) -> int:
-        return self.cu_seqlens.numel() - 1
+        return len(self.seqlens)
 
     @property
-    def seqlens(self) -> list[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
-
-    @property
-    def seqlens_padded(self) -> list[int]:
-        """Segment lengths of the packed layout (what micro-batch token budgets count)."""
-        return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).tolist()
+    def padded(self) -> bool:
+        """Whether any segment carries padding (then cu_seqlens_padded is its own tensor)."""
+        return self.seqlens != self.seqlens_padded
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """This batch with every tensor on ``device`` (the loss reads the fields beside the
-        model's logits, so a micro-batch moves as a whole)."""
-        return replace(self, input_ids=self.input_ids.to(device),
-                       position_ids=self.position_ids.to(device), cu_seqlens=self.cu_seqlens.to(device),
-                       cu_seqlens_padded=self.cu_seqlens_padded.to(device),
-                       fields={k: v.to(device) for k, v in self.fields.items()})
+        model's logits, so a micro-batch moves as a whole), without waiting for the GPU
+        (``to_device``)."""
+        cu = to_device(self.cu_seqlens, device)
+        return replace(self, input_ids=to_device(self.input_ids, device),
+                       position_ids=to_device(self.position_ids, device), cu_seqlens=cu,
+                       cu_seqlens_padded=to_device(self.cu_seqlens_padded, device) if self.padded else cu,
+                       fields={k: to_device(v, device) for k, v in self.fields.items()})
 
     def select(self, indices: Sequence[int]) -> PackedBatch:
         """The sub-batch of the given sequences, in that order, with the same padding."""
@@ -69,7 +73,7 @@ class PackedBatch:
                 f"tensor has {values_T.shape[0]} tokens, the packed batch has "
                 f"{self.input_ids.shape[0]}"
             )
-        starts = self.cu_seqlens_padded[:-1].tolist()
+        starts = accumulate(self.seqlens_padded[:-1], initial=0)
         return [values_T[s : s + n] for s, n in zip(starts, self.seqlens)]
 
 
@@ -110,26 +114,31 @@ def pack(
 
     m = pad_to_multiple_of
     padded = [-(-n // m) * m for n in lens]
-    cu_seqlens_B1 = _cumsum(lens)
-    cu_padded_B1 = _cumsum(padded)
     device = seqs[0].device
 
     def lay_out(parts: Sequence[torch.Tensor], fill) -> torch.Tensor:
         if m == 1:
             return torch.cat(list(parts))
-        out_T = torch.full((int(cu_padded_B1[-1]), *parts[0].shape[1:]), fill, dtype=parts[0].dtype,
-                           device=device)
-        for start, part in zip(cu_padded_B1[:-1].tolist(), parts):
+        out_T = torch.full((sum(padded), *parts[0].shape[1:]), fill, dtype=parts[0].dtype, device=device)
+        for start, part in zip(accumulate(padded[:-1], initial=0), parts):
             out_T[start : start + part.shape[0]] = part
         return out_T
 
     position_ids_T = torch.cat([torch.arange(p, device=device) for p in padded])
+    # Where no segment is padded, both boundaries are one tensor: TE 2.4-2.10 compares
+    # them on the device in every attention layer unless they alias
+    # (transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py::
+    # DotProductAttention.forward, pad_between_seqs; torch's cuda_equal returns early for
+    # aliases, aten/src/ATen/native/cuda/Equal.cpp::cuda_equal).
+    cu_padded_B1 = to_device(_cumsum(padded), device)
     return PackedBatch(
         input_ids=lay_out(seqs, pad_token_id),
         position_ids=position_ids_T,
-        cu_seqlens=cu_seqlens_B1.to(device),
-        cu_seqlens_padded=cu_padded_B1.to(device),
+        cu_seqlens=cu_padded_B1 if padded == lens else to_device(_cumsum(lens), device),
+        cu_seqlens_padded=cu_padded_B1,
         max_seqlen=max(padded),
+        seqlens=lens,
+        seqlens_padded=padded,
         fields={name: lay_out(values, 0) for name, values in fields.items()},
         pad_to_multiple_of=m,
     )
@@ -138,6 +147,19 @@ def pack(
 def unpack(batch: PackedBatch) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
     """Inverse of ``pack``: the sequences and the fields, padding removed."""
     return batch.split(batch.input_ids), {k: batch.split(v) for k, v in batch.fields.items()}
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``; from the CPU to a GPU without making the host wait for the GPU.
+    A blocking copy synchronises the stream (aten/src/ATen/native/cuda/Copy.cu::
+    copy_kernel_cuda: ``memcpy_and_sync``), and an asynchronous one from pageable memory
+    may too (CUDA runtime API, "API synchronization behavior": the driver "may synchronize
+    with the stream" to stage it); from pinned memory it is queued. The pinned block is
+    not reused before the copy completes (torch's CachingHostAllocator records an event
+    for it: copy_kernel_cuda, ``record_event``)."""
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _cumsum(lens: list[int]) -> torch.Tensor:
