@@ -13,7 +13,13 @@ from test_ppo_e2e import _overrides
 from areal_mcore.config import load_config
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
 from areal_mcore.rollout.controller import Sample
-from areal_mcore.trainer.dispatch import Dispatcher, RolloutShard, SamplePacker, split_groups
+from areal_mcore.trainer.dispatch import (
+    Dispatcher,
+    RolloutShard,
+    SamplePacker,
+    send_batches,
+    split_groups,
+)
 
 
 def _samples(n_groups: int, n: int, seed: int = 0) -> list[Sample]:
@@ -192,3 +198,38 @@ def test_the_dispatch_cost_model_adds_its_documented_terms():
     assert p["total_s"] == pytest.approx(sum(v for k, v in p.items() if k != "total_s"))
     arrays = predict_dispatch_s(shape, replicas=4, mp_size=8, t_elem_s=1e-3, link=link, concat_GBps=1e-6)
     assert arrays["pack_s"] == pytest.approx(18.08)  # two copies of the buffer
+
+
+def _counted_dispatch(rank, world, samples, n):
+    calls = []  # lone sends/receives, and each batch's ops
+    for name in ("send", "recv", "batch_isend_irecv"):
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name if _name != "batch_isend_irecv" else sorted(op.op.__name__ for op in args[0]))
+            return _real(*args, **kwargs)
+        setattr(dist, name, counted)  # (not isend/irecv: P2POp accepts only the real ones)
+    d = Dispatcher(dp_rank=rank, dp_size=world, mp_group=None, world=dist.group.WORLD,
+                   control=dist.new_group(backend="gloo"))
+    shard, _ = d.dispatch(samples if rank == 0 else None, n)
+    return calls, _as_lists(shard)
+
+
+@pytest.mark.multirank
+def test_rank_0_sends_every_replica_its_shard_in_one_batch_of_point_to_point_ops():
+    """Issue 42, finding 6. Under NCCL each lone send/recv pair builds a 2-rank communicator
+    of its own (ProcessGroupNCCL::pointToPoint), dp - 1 of them at the first step; a batch
+    of isend/irecv runs on the world's communicator. At DP=3 rank 0 issues one batch (two
+    sends), each head one batch (one receive), and no lone send or receive."""
+    samples = _samples(6, 2)
+    out = run_gloo(_counted_dispatch, 3, samples, 2)
+    assert [got for _, got in out] == [_as_lists(RolloutShard.from_samples(p)) for p in split_groups(samples, 2, 3)]
+    assert [calls for calls, _ in out] == [[["isend", "isend"]], [["irecv"]], [["irecv"]]]
+
+
+def test_send_batches_keep_order_and_cut_at_the_byte_bound():
+    sends = [(torch.empty(n, dtype=torch.uint8), peer) for peer, n in enumerate((4, 4, 3, 9, 1), start=1)]
+    batches = send_batches(sends, 8)
+    assert [[peer for _, peer in b] for b in batches] == [[1, 2], [3], [4], [5]]  # 9 > 8 goes alone
+    assert [peer for b in send_batches(sends, 1 << 30) for _, peer in b] == [1, 2, 3, 4, 5]
+    assert len(send_batches(sends, 1 << 30)) == 1 and send_batches([], 8) == []
