@@ -57,11 +57,15 @@ def _locked(lock: Path) -> dict[str, str]:
 
 
 def test_main_venv_holds_exactly_the_locked_versions():
+    import sysconfig
     from importlib import metadata
 
     locked = _locked(ROOT / "locks" / "main.txt")
+    # The venv's own site-packages only: once imported, setuptools puts its vendored
+    # packages (setuptools/_vendor, with their own metadata) on sys.path.
+    site = [sysconfig.get_paths()["purelib"]]
     installed = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version
-                 for d in metadata.distributions()}
+                 for d in metadata.distributions(path=site)}
     installed.pop("areal-mcore")
     # pip and setuptools come with `python -m venv`, outside any lock.
     for seed in ("pip", "setuptools"):
