@@ -4,7 +4,7 @@
 # 2.13.0 build the Makefile pins) into a scratch venv, prints what moved against
 # locks/main.txt, and runs the fast tier there. Exits non-zero if any test failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit
 UV=${UV:-.venv/bin/uv}
 VENV=${LATEST_VENV:-.venv-latest}
 tmp=$(mktemp -d)
