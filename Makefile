@@ -185,7 +185,7 @@ lint: install
 bench: install
 	$(PY) bench/allocator.py
 	$(PY) bench/rollout_server.py
-	$(PY) bench/kernels.py
+	$(PY) bench/logprob_kernels.py
 
 run: install
 	PY=$(PY) scripts/quickstart.sh

@@ -30,7 +30,7 @@ DeepSeek-R1-Distill-Qwen-1.5B: the machine has no network and no checkpoint.
 9. moe: a small Qwen3-MoE at EP=1 (TE's grouped GEMM under TE). The logprobs must match
    transformers within 1e-4, and one PPO step must train.
 10. kernels: the Triton fused logprob (values, gradients) and packed GAE vs the torch
-   path, with times and peak memory; bench/kernels.py's table as well, time allowing.
+   path, with times and peak memory; bench/logprob_kernels.py's table as well, time allowing.
 
 What only real CUDA does goes through ``Gpu``: the process group's backend, synchronize,
 memory statistics, the device's name, and where the weight receiver runs.
@@ -537,9 +537,9 @@ def check_kernels(device: torch.device, sizes: Sizes, gpu: Gpu) -> dict:
 
 
 def kernels_table(out: Path):
-    """bench/kernels.py's full table (fused vs log_softmax, at boba's shapes)."""
+    """bench/logprob_kernels.py's full table (fused vs log_softmax, at boba's shapes)."""
     try:
-        from bench import kernels as kbench
+        from bench import logprob_kernels as kbench
         return kbench.main(out=out)
     except Exception:  # noqa: BLE001 - an optional extra
         return {"error": traceback.format_exc()[-2000:]}
@@ -554,7 +554,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak (H100/H200 SXM: 989)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--table-after-s", type=float, default=240.0,
-                   help="run bench/kernels.py's table only if the checks took less than this")
+                   help="run bench/logprob_kernels.py's table only if the checks took less than this")
     return p.parse_args(argv)
 
 

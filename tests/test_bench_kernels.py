@@ -9,7 +9,7 @@ ROOT = Path(__file__).parents[1]
 def test_kernels_benchmark_runs_at_toy_size_and_the_fused_path_saves_memory(tmp_path):
     out = tmp_path / "kernels.json"
     # Its own process: on CPU the benchmark changes glibc's mmap threshold to measure RSS.
-    code = ("from pathlib import Path; from bench.kernels import main; "
+    code = ("from pathlib import Path; from bench.logprob_kernels import main; "
             f"main(shapes=[(64, 500), (4096, 4096)], repeats=1, out=Path({str(out)!r}))")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)
     rows = json.loads(out.read_text())

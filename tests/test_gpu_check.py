@@ -56,7 +56,7 @@ TINY = ["--hidden", "64", "--intermediate", "96", "--layers", "2", "--heads", "4
 NOT_HERE_FUNCTIONS = {
     "Gpu": "real CUDA only: replaced by EmulatedGpu",
     "_receive": "runs in the receiving process, which is not traced",
-    "kernels_table": "bench/kernels.py's table measures CUDA memory: real CUDA only (--table-after-s 0 here)",
+    "kernels_table": "bench/logprob_kernels.py's table measures CUDA memory: real CUDA only (--table-after-s 0 here)",
 }
 NOT_HERE_LINES = {
     'report["kernels_table"] = kernels_table(': "its call (--table-after-s 0 here)",

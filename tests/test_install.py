@@ -72,3 +72,17 @@ def test_main_venv_holds_exactly_the_locked_versions():
         if seed not in locked:
             installed.pop(seed, None)
     assert installed == locked
+
+
+def test_no_script_folder_module_shadows_an_installed_package():
+    # `python bench/x.py` puts bench/ first on sys.path: a bench/kernels.py there shadowed
+    # HF's `kernels` package, and transformers >= 5.25 failed to import in every benchmark
+    # run as a script. The same holds for tools/ and scripts/.
+    import importlib.metadata
+
+    installed = {name for dist in importlib.metadata.distributions()
+                 for name in (dist.read_text("top_level.txt") or "").split()}
+    installed |= {p.split("/")[0].removesuffix(".py") for dist in importlib.metadata.distributions()
+                  for p in map(str, dist.files or ()) if p.count("/") <= 1 and not p.startswith(("..", "_"))}
+    ours = {p.stem for folder in ("bench", "tools", "scripts") for p in (ROOT / folder).glob("*.py")}
+    assert not ours & installed, f"rename these: they shadow installed packages: {sorted(ours & installed)}"

@@ -14,7 +14,7 @@ of the logits (the bf16 gradient included): CUDA's allocator peak on GPU, the pr
 peak RSS (VmHWM, reset through /proc/self/clear_refs) on CPU. Ratios are against the
 baseline measured in the same run; time is the best of ``repeats``. Shapes whose baseline
 would not fit comfortably in free memory are skipped with the reason printed.
-Run: ``python bench/kernels.py`` (about a minute on 2 CPU cores), ``--small`` for a toy
+Run: ``python bench/logprob_kernels.py`` (about a minute on 2 CPU cores), ``--small`` for a toy
 run; writes bench/results/kernels.json.
 """
 
