@@ -98,11 +98,8 @@ def broadcast_many(tensors: list[torch.Tensor], src: int, group: dist.ProcessGro
     moved = [on_group_device(t, group) for t in tensors]
     works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in moved]
     if _nccl_serves(group, moved):
-        while not all(w.is_completed() for w in works):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"NCCL broadcast of {len(tensors)} tensors not complete after "
-                                   f"{timeout_s:g} s: a receiver never joined it")
-            time.sleep(1e-3)
+        _complete_on_host(works, deadline, f"NCCL broadcast of {len(tensors)} tensors not complete "
+                                           f"after {timeout_s:g} s: a receiver never joined it")
         for w in works:
             w.wait()
     else:
@@ -111,6 +108,16 @@ def broadcast_many(tensors: list[torch.Tensor], src: int, group: dist.ProcessGro
     for t, m in zip(tensors, moved):
         if m is not t:
             t.copy_(m)
+
+
+def _complete_on_host(works: list, deadline: float | None = None, timeout_message: str = "") -> None:
+    """Polls NCCL works until each completed on the device (``WorkNCCL::isCompleted`` queries
+    the end event and the communicator's error, and aborts nothing); past ``deadline``
+    (``time.monotonic()``), ``TimeoutError(timeout_message)``."""
+    while not all(w.is_completed() for w in works):
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(timeout_message)
+        time.sleep(1e-4)
 
 
 def _nccl_serves(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> bool:
@@ -191,8 +198,7 @@ def send_recv_many(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torc
         # timeout. Gloo's wait() blocks, and its point-to-point works report completion
         # only through it (polling is_completed() there never ends).
         if _nccl_serves(group, [op.tensor for op in ops]):
-            while not all(w.is_completed() for w in works):
-                time.sleep(1e-4)
+            _complete_on_host(works)
         for work in works:
             work.wait()
     for m, t in moved:
