@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 UV=${UV:-.venv/bin/uv}
 # Where the CPU torch wheel is (the Makefile's TORCH_LINKS): it is not on PyPI.
 TORCH_LINKS=(--find-links "${TORCH_LINKS:?set by the Makefile}")
-compile() {  # compile OUT PYTHON_VERSION SOURCES... [-- EXTRA uv FLAGS]
+compile() {  # compile OUT PYTHON_VERSION SOURCES_AND_uv_FLAGS...
   local out=$1 py=$2
   shift 2
   "$UV" pip compile --quiet --upgrade --generate-hashes --python-version "$py" \
