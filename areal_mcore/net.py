@@ -111,3 +111,41 @@ def set_gloo_interface(env: MutableMapping[str, str], master_address: str) -> No
         name = interface_toward(master_address)
         if name:
             env["GLOO_SOCKET_IFNAME"] = name
+
+
+def port_holder(port: int) -> tuple[int | None, str] | None:
+    """Who listens on TCP ``port`` on this host, any address: (pid, its command line), pid
+    None where the kernel does not tell us (another user's socket, unless we are root);
+    None when nothing listens there."""
+    import psutil
+
+    for c in psutil.net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
+            if c.pid is None:
+                return None, "another user's process"
+            try:
+                cmd = " ".join(psutil.Process(c.pid).cmdline())
+                return c.pid, cmd if len(cmd) <= 160 else cmd[:157] + "..."
+            except psutil.Error:
+                return c.pid, "a process that just exited"
+    return None
+
+
+def listens_within(pid: int, port: int) -> bool:
+    """Whether ``pid`` or one of its descendants listens on TCP ``port``: a server we
+    started, not another job's that answers on the same port."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return False
+    for p in procs:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in p.net_connections(kind="inet")):
+                return True
+        except psutil.Error:
+            continue
+    return False

@@ -281,3 +281,29 @@ def test_relax_gc_leaves_no_frozen_cycles_to_leak_at_exit():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "nanobind: leaked" not in r.stderr, r.stderr
+
+
+def test_a_launched_servers_port_held_by_another_process_probes_as_gone():
+    """A launched server that died and whose port another process took answers /health
+    through that process: the probe (before every weight push and on the stall and
+    failover paths) finds it gone by who holds the port, not by what answers there."""
+    import socket
+    import subprocess
+    import sys
+
+    from areal_mcore.rollout.fleet import GONE, Fleet
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            fleet = Fleet([f"127.0.0.1:{port}"])
+            fleet.servers[0].owner_pid = ours.pid
+
+            async def probe():
+                return await fleet.probe(fleet.servers[0], timeout=1)  # no session: no HTTP is sent
+            assert asyncio.run(probe()) == GONE and not fleet.servers[0].healthy
+        finally:
+            ours.kill()

@@ -361,6 +361,27 @@ def test_embedded_server_answers_with_sglang_field_names(server):
 
 
 @pytest.mark.server
+def test_bad_answers_through_a_corrupting_proxy_fail_over_and_take_the_server_out(server, caplog):
+    """The module's embedded server, reached through tests/_proxy.py (every answer
+    corrupted, round robin through malformed JSON, an empty body, no meta_info, a logprob
+    short, a NaN, ids past the padded vocabulary, -1 and in the padded-vocabulary gap)
+    and directly; ``drill`` there says what each phase checks."""
+    import logging
+
+    from _proxy import check_drill, drill
+
+    from areal_mcore.model.args import padded_vocab_size
+    from areal_mcore.rollout.client import served_vocab_size
+
+    vocab = served_vocab_size(server.cmd[server.cmd.index("--model-path") + 1])
+    assert vocab == 250  # tiny_model's, padded to 256 by the trainer: a gap of 6 ids
+    with caplog.at_level(logging.WARNING, logger="areal_mcore.rollout.client"):
+        seen = asyncio.run(drill(server.address, server.address, backend="embedded", vocab=vocab,
+                                 padded_vocab=padded_vocab_size(vocab, 1)))
+    check_drill(seen, caplog.records)
+
+
+@pytest.mark.server
 def test_embedded_old_api_routes_are_a_subset_of_sglang_0_5_20s(tmp_path):
     """``--sglang-api 0.5.20`` serves no route 0.5.20 lacks, and none of the session routes."""
     model = tiny_hf_dir(str(tmp_path), seed=2)

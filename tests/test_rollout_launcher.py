@@ -22,9 +22,9 @@ def test_sglang_command_carries_the_config_and_a_seed_per_server():
     cmds = [server_command(cfg, port=30000 + i, seed=cfg.seed + i) for i in range(2)]
     assert cmds[0][1:3] == ["-m", "sglang.launch_server"]
     for flag, want in [("--model-path", "/m"), ("--tp-size", "4"), ("--mem-fraction-static", "0.85"),
-                       ("--context-length", "32768"), ("--dtype", "bfloat16"), ("--host", "127.0.0.1"),
-                       ("--api-key", "k")]:
+                       ("--context-length", "32768"), ("--dtype", "bfloat16"), ("--host", "127.0.0.1")]:
         assert _flag(cmds[0], flag) == want
+    assert "--api-key" not in cmds[0] and "k" not in cmds[0]  # ps shows it: Engine.auth hands it on
     assert "--skip-tokenizer-init" in cmds[0] and cmds[0][-2:] == ["--log-level", "warning"]
     assert [_flag(c, "--random-seed") for c in cmds] == ["10", "11"]
     assert [_flag(c, "--port") for c in cmds] == ["30000", "30001"]
@@ -104,6 +104,7 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 def test_a_server_whose_port_was_taken_before_it_bound_is_started_on_another(tmp_path, monkeypatch):
     """The launcher picks a port, the server binds it seconds later: a port taken meanwhile
     ends that server with errno 98, and the launcher starts it again on a new port."""
+    import os
     import socket
     import sys
 
@@ -125,13 +126,20 @@ def test_a_server_whose_port_was_taken_before_it_bound_is_started_on_another(tmp
         server.stop()
     finally:
         taken.close()
-    # A fixed base_port is the user's choice: no other port is tried.
+    # A fixed base_port is the user's choice: no other port is tried, and the launch is
+    # refused naming the port's holder (checked before the start, and after it: the race).
+    from areal_mcore.checks import FieldError
+
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        cfg = ServerConfig(model_path="/m", log_dir=str(tmp_path / "fixed"), startup_timeout_s=60,
-                           base_port=busy.getsockname()[1])
-        with pytest.raises(RuntimeError, match="before it was healthy"):
+        port = busy.getsockname()[1]
+        cfg = ServerConfig(model_path="/m", log_dir=str(tmp_path / "fixed"), startup_timeout_s=60, base_port=port)
+        expected = rf"server.base_port={port} cannot be used: port {port} is taken by pid {os.getpid()} "
+        with pytest.raises(FieldError, match=expected):
+            launch_servers(cfg)
+        monkeypatch.setattr(launcher, "check_ports_free", lambda cfg: None)
+        with pytest.raises(FieldError, match=expected):
             launch_servers(cfg)
 
 
@@ -292,3 +300,158 @@ def test_a_server_forming_its_own_tcp_group_comes_up_under_torchrun(tmp_path, mo
     (server,) = launch_servers(ServerConfig(model_path="/m", log_dir=str(tmp_path), startup_timeout_s=60),
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     server.stop()
+
+
+# ---------------------------------------------------------------------------- the API key
+
+_KEY = "k3y-for-no-command-line"
+
+
+def test_a_key_is_generated_when_none_is_configured_and_kept_owner_only(tmp_path, monkeypatch):
+    import stat
+
+    from areal_mcore.rollout.auth import KEY_ENV, configured_key, launch_key
+    from areal_mcore.run_dir import RunDir
+
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    run, cfg = RunDir(tmp_path / "run"), ServerConfig(model_path="/m")
+    first, second = launch_key(cfg, run), launch_key(cfg, run)
+    assert len(first) == 64 and first != second  # 256 bits, a new key at each launch
+    assert run.rollout_key_file.read_text().strip() == second
+    assert stat.S_IMODE(run.rollout_key_file.stat().st_mode) == 0o600
+    assert configured_key(cfg) is None  # servers someone else started: no key unless given
+    monkeypatch.setenv(KEY_ENV, "from-the-launcher")
+    assert launch_key(cfg, run) == configured_key(cfg) == "from-the-launcher"
+    assert launch_key(ServerConfig(model_path="/m", api_key="mine"), run) == "mine"
+    assert run.rollout_key_file.read_text().strip() == second  # a given key is not written
+
+
+@pytest.mark.parametrize("backend", ["embedded", "sglang", "vllm"])
+def test_each_engine_gets_the_key_without_its_command_line(backend, tmp_path, monkeypatch):
+    """Embedded: $AREAL_ROLLOUT_API_KEY and --weights-root; SGLang: a 0600 --config file;
+    vLLM: VLLM_API_KEY and our guard of every route (--middleware, on PYTHONPATH)."""
+    import os
+    import stat
+
+    import yaml
+
+    import areal_mcore.rollout.servers as launcher
+    from areal_mcore.rollout.auth import KEY_ENV
+    from areal_mcore.rollout.engines.options import VLLMOptions
+    from areal_mcore.rollout.engines.vllm import GUARD
+
+    monkeypatch.setattr(launcher, "_gpu_count", lambda: 0)
+    started = []
+    monkeypatch.setattr(launcher, "ServerProcess", lambda cmd, **kw: started.append((cmd, kw["env"])) or _Up())
+    vllm = {"vllm": VLLMOptions(kv_cache_memory_mb=64)} if backend == "vllm" else {}
+    cfg = ServerConfig(model_path="/m", backend=backend, n_servers=2, log_dir=str(tmp_path / "logs"), **vllm)
+    launcher.launch_servers(cfg, api_key=_KEY, weights_root=str(tmp_path))
+    assert len(started) == 2 and not [a for cmd, _ in started for a in cmd if _KEY in a]
+    cmd, env = started[0]
+    if backend == "embedded":
+        assert env[KEY_ENV] == _KEY and _flag(cmd, "--weights-root") == str(tmp_path)
+    elif backend == "vllm":
+        assert env["VLLM_API_KEY"] == _KEY and _flag(cmd, "--middleware") == GUARD
+        module, _ = GUARD.rsplit(".", 1)
+        plugin = env["PYTHONPATH"].split(os.pathsep)[0]
+        assert os.path.isfile(os.path.join(plugin, *module.split(".")) + ".py")
+    else:
+        path = _flag(cmd, "--config")
+        assert yaml.safe_load(open(path)) == {"api-key": _KEY}
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.20"])
+def test_sglang_reads_the_key_from_the_launchers_config_file(version, tmp_path):
+    """SGLang's own merge of ``--config`` (its wheel's ``ConfigArgumentMerger``, which
+    ``prepare_server_args`` runs on ``sys.argv``) yields ``--api-key KEY`` in-process,
+    while the process's arguments hold the file's path only."""
+    import argparse
+    import importlib
+
+    from _sglang import wheel_modules
+
+    from areal_mcore.rollout.engines.sglang import SGLangEngine
+
+    cfg = ServerConfig(model_path="/m", backend="sglang")
+    args, _ = SGLangEngine().auth(cfg, {}, api_key=_KEY, weights_root=None, private_dir=str(tmp_path))
+    argv = server_command(cfg, port=5, seed=1)[3:] + args
+    with wheel_modules(version):
+        merger = importlib.import_module("sglang.srt.utils.server_args_config_parser").ConfigArgumentMerger
+    parser = argparse.ArgumentParser()
+    for flag in ("--config", "--api-key", "--model-path"):  # SGLang's spelling (arg_groups/arg_utils.py)
+        parser.add_argument(flag)
+    parsed, _ = parser.parse_known_args(merger(parser).merge_config_with_args(argv))
+    assert parsed.api_key == _KEY and parsed.model_path == "/m"
+
+
+def test_the_sglang_key_refuses_options_that_would_drop_it(tmp_path):
+    from areal_mcore.rollout.engines.sglang import SGLangEngine
+
+    for extra, why in [(["--config", "x.yaml"], "has --config"),
+                       (["--tokenizer-worker-num", "2"], "checks the API key only with one tokenizer worker"),
+                       (["--tokenizer-worker-num=4"], "sets --tokenizer-worker-num 4")]:
+        cfg = ServerConfig(model_path="/m", backend="sglang", extra_args=extra)
+        with pytest.raises(ValueError, match=rf"server.extra_args=.* {why}"):
+            SGLangEngine().auth(cfg, {}, api_key=_KEY, weights_root=None, private_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="server.api_key='<hidden>' starts with '-'"):  # argparse's option
+        SGLangEngine().auth(ServerConfig(model_path="/m", backend="sglang"), {}, api_key="-k3y",
+                            weights_root=None, private_dir=str(tmp_path))
+
+
+def test_our_vllm_guard_keys_every_route_but_health(monkeypatch):
+    """vLLM's own check covers /v1, /v2, /inference and /cohere only; the guard the
+    launcher adds (--middleware) covers the weight-update routes too."""
+    import asyncio
+    import os
+    import sys
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "plugins", "vllm_gloo_transfer"))
+    from areal_vllm_gloo.guard import KeyOnEveryRoute
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    def status(path, auth=None, method="POST"):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+        headers = [(b"authorization", auth.encode())] if auth else []
+        scope = {"type": "http", "method": method, "path": path, "root_path": "", "headers": headers}
+        asyncio.run(guard(scope, None, send))
+        return sent[0]["status"]
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="needs VLLM_API_KEY"):  # never a guard that lets all by
+        KeyOnEveryRoute(app)
+    monkeypatch.setenv("VLLM_API_KEY", _KEY)
+    guard = KeyOnEveryRoute(app)
+    for path in ("/init_weight_transfer_engine", "/update_weights", "/collective_rpc", "/pause",
+                 "/inference/v1/generate"):
+        assert [status(path), status(path, "Bearer wrong"), status(path, _KEY)] == [401, 401, 401]
+        assert status(path, f"Bearer {_KEY}") == status(path, f"bearer {_KEY}") == 200
+    assert status("/health", method="GET") == 200
+    assert "areal_vllm_gloo" in sys.modules
+
+
+def test_a_slurm_server_step_gets_the_launchers_key_by_its_environment(tmp_path, monkeypatch):
+    """``launcher.slurm serve`` (an srun task) execs the server with the key the launcher
+    put in its environment, never in the arguments, and the run directory as weights root."""
+    import os
+
+    from areal_mcore.launcher import slurm
+    from areal_mcore.rollout.auth import KEY_ENV
+
+    ran = []
+    monkeypatch.setattr(slurm.os, "execve", lambda path, cmd, env: ran.append((cmd, env)))
+    monkeypatch.setenv(KEY_ENV, _KEY)
+    for backend in ("embedded", "sglang"):
+        slurm.serve("configs/tiny_cpu.yaml", [f"trainer.log_dir={tmp_path}", "experiment_name=x",
+                                              f"server.backend={backend}"], 0, "127.0.0.1", tmp_path)
+    (embedded, env), (sglang, _) = ran
+    assert not [a for cmd, _ in ran for a in cmd if _KEY in a]
+    assert env[KEY_ENV] == _KEY and _flag(embedded, "--weights-root") == str((tmp_path / "x").absolute())
+    assert "api-key" in open(_flag(sglang, "--config")).read()
+    assert os.path.exists(tmp_path / "server_0.json")

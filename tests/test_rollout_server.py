@@ -1,25 +1,29 @@
 """The embedded server over HTTP: weight updates by broadcast and from disk, flush, pause,
-API key and bind address. One server subprocess for the module (startup ~9 s)."""
+API key, weights root and bind address. One server subprocess for the module (startup ~9 s),
+launched as the trainer launches its own."""
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 import time
 
 import psutil
 import pytest
 import torch
-from _rollout import embedded_servers, http, tiny_hf_dir
+from _rollout import http, tiny_hf_dir
 
 from areal_mcore.convert.hf_files import load_hf_state_dict
 from areal_mcore.net import free_port
+from areal_mcore.rollout.auth import KEY_ENV, launch_key
 from areal_mcore.rollout.config import ServerConfig
 from areal_mcore.rollout.embedded.server import parse_args
+from areal_mcore.rollout.servers import launch_servers
+from areal_mcore.run_dir import RunDir
 from areal_mcore.weight_sync.group import destroy_update_group, init_update_group
 
 pytestmark = pytest.mark.server
-
-KEY = "s3cret"
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +33,24 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    with embedded_servers(model_dir, str(tmp_path_factory.mktemp("logs")), api_key=KEY) as s:
-        yield s[0]
+    """As trainer/rollout_side.py launches: no server.api_key, so a key generated for the
+    run and kept in it, and disk loads from under the run directory only (here this
+    session's temporary root: every test's tmp_path is inside)."""
+    run = RunDir(tmp_path_factory.getbasetemp())
+    cfg = ServerConfig(model_path=model_dir, dtype="float32", context_length=256, startup_timeout_s=120,
+                       log_dir=str(tmp_path_factory.mktemp("logs")))
+    key = launch_key(cfg, run)
+    (s,) = launch_servers(cfg, env={**os.environ, "OMP_NUM_THREADS": "1"}, api_key=key,
+                          weights_root=str(run.path))
+    s.api_key, s.run = key, run
+    try:
+        yield s
+    finally:
+        s.stop(grace_s=5)
 
 
 def _call(server, method, path, body=None, **kw):
-    return http(server.address, method, path, body, key=KEY, **kw)
+    return http(server.address, method, path, body, key=server.api_key, **kw)
 
 
 def _in_thread(fn, *args, **kwargs):
@@ -73,11 +89,33 @@ def _reference_greedy(model_dir, state, prompt, n):
                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
 
 
-def test_requests_without_the_api_key_are_refused(server):
-    assert http(server.address, "POST", "/generate", {"input_ids": [1, 2]})[0] == 401
+def test_requests_without_the_generated_api_key_are_refused(server):
+    key_file = server.run.rollout_key_file
+    assert key_file.read_text().strip() == server.api_key and len(server.api_key) >= 32
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    # Any local process: the admin routes (a load of its weights, a group at its address)
+    # and generation are refused without the key, or with another one.
+    group = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+             "group_name": "intruder", "backend": "gloo"}
+    for key in (None, "wrong"):
+        assert http(server.address, "POST", "/update_weights_from_disk",
+                    {"model_path": str(server.run.path), "weight_version": "7"}, key=key)[0] == 401
+        assert http(server.address, "POST", "/init_weights_update_group", group, key=key, timeout=10)[0] == 401
+        assert http(server.address, "POST", "/generate", {"input_ids": [1, 2]}, key=key)[0] == 401
     assert http(server.address, "GET", "/model_info", key="wrong")[0] == 401
     assert http(server.address, "GET", "/health")[0] == 200  # probes stay open, as in SGLang
-    assert _call(server, "GET", "/model_info")[0] == 200
+    assert _call(server, "GET", "/model_info")[1]["weight_version"] == "default"
+    assert _generate(server, max_new_tokens=2)[0] == 200
+
+
+def test_the_key_is_on_no_command_line(server):
+    """``ps`` shows every process's arguments to every user of the node: the key goes by
+    the environment (owner-only), and the log, where SGLang writes it, is owner-only."""
+    root = psutil.Process(server.proc.pid)
+    for proc in [root, *root.children(recursive=True)]:
+        assert not any(server.api_key in arg for arg in proc.cmdline()), proc.cmdline()
+    assert root.environ()[KEY_ENV] == server.api_key
+    assert stat.S_IMODE(os.stat(server.log_path).st_mode) == 0o600
 
 
 def test_default_bind_is_loopback(server):
@@ -163,6 +201,27 @@ def test_update_weights_from_disk_loads_by_name(server, model_dir, tmp_path):
     assert _call(server, "GET", "/model_info")[1]["weight_version"] == "7"
     status, out = _call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "no")})
     assert status == 400 and "model.safetensors not found" in out["message"]
+
+
+def test_update_weights_from_disk_is_refused_outside_the_weights_root(server, model_dir, tmp_path):
+    """Even with the key: a loadable folder outside the run directory, directly or through a
+    link inside it, is refused naming the root, and nothing is loaded."""
+    import shutil
+    import tempfile
+
+    outside = tempfile.mkdtemp(prefix="not_the_run_")  # /tmp, beside pytest's root
+    try:
+        shutil.copytree(model_dir, outside, dirs_exist_ok=True)
+        (tmp_path / "link").symlink_to(outside)
+        before = _call(server, "GET", "/model_info")[1]["weight_version"]
+        for path in (outside, str(tmp_path / "link"), str(server.run.path / ".." / os.path.basename(outside))):
+            status, out = _call(server, "POST", "/update_weights_from_disk",
+                                {"model_path": path, "weight_version": "intruder"})
+            assert status == 403 and not out["success"], (path, out)
+            assert f"outside this server's weights root {server.run.path}" in out["message"]
+        assert _call(server, "GET", "/model_info")[1]["weight_version"] == before
+    finally:
+        shutil.rmtree(outside)
 
 
 def test_flush_cache_is_refused_while_requests_run(server):

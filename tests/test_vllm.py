@@ -288,6 +288,27 @@ def test_a_sync_while_32_requests_generate_loses_none_and_tags_every_token(serve
                                   for a in addresses])
 
 
+def test_bad_vllm_answers_through_a_corrupting_proxy_fail_over_and_take_the_server_out(
+        servers, model_dir, caplog):
+    """The first server behind tests/_proxy.py (every answer corrupted in vLLM's shape,
+    round robin through malformed JSON, an empty body, no choices, a logprob short, a NaN,
+    ids past the padded vocabulary, -1 and in the padded-vocabulary gap), the second
+    reached directly; ``drill`` there says what each phase checks."""
+    import logging
+
+    from _proxy import check_drill, drill
+
+    from areal_mcore.model.args import padded_vocab_size
+    from areal_mcore.rollout.client import served_vocab_size
+
+    vocab = served_vocab_size(model_dir)
+    with caplog.at_level(logging.WARNING, logger="areal_mcore.rollout.client"):
+        # n=16: least-loaded placement sends every other request to the proxy, one per corruption
+        seen = asyncio.run(drill(servers[0].address, servers[1].address, backend="vllm", vocab=vocab,
+                                 padded_vocab=padded_vocab_size(vocab, 1), n=16))
+    check_drill(seen, caplog.records)
+
+
 def test_kill_9_of_one_of_two_servers_mid_batch_completes_on_the_survivor(servers):
     """Runs last: it kills the second server of the module's pair, with the batch's
     requests in flight there: that server is paused first (``keep``: vLLM holds what

@@ -83,11 +83,44 @@ def test_on_cpu_the_kv_cache_is_sized_from_the_run_not_the_host(tmp_path, monkey
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.9"
 
 
+_CHECK = """
+import json, os, sys
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+a = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
+flags = [a.logprobs_mode, a.enable_chunked_prefill, a.enforce_eager, a.disable_custom_all_reduce,
+         a.disable_sliding_window, a.api_key]
+PATHS = ["/init_weight_transfer_engine", "/update_weights", "/collective_rpc", "/inference/v1/generate"]
+def codes(middleware):  # vLLM's own middleware set-up of the app, on routes at these paths
+    app = FastAPI()
+    for path in PATHS:
+        app.add_api_route(path, lambda: {}, methods=["POST"])
+    app.add_api_route("/health", lambda: {}, methods=["GET"])
+    init_entrypoints_middleware(argparse_copy(middleware), app, ())
+    client = TestClient(app)
+    return [[client.post(p, headers=h).status_code for p in PATHS] + [client.get("/health").status_code]
+            for h in ({}, {"Authorization": "Bearer " + os.environ["VLLM_API_KEY"]})]
+def argparse_copy(middleware):
+    import copy
+    b = copy.copy(a)
+    b.middleware = middleware
+    return b
+print(json.dumps({"flags": flags, "vllm alone": codes([]), "with our guard": codes(a.middleware)}))
+"""
+
+
 @pytest.mark.venv
 def test_every_flag_we_pass_vllm_is_accepted_by_vllms_own_parser(tmp_path):
     """The launch flags and boba's eval flags, parsed by vLLM 0.32's CLI parser (in the
-    vLLM venv; the same check `vllm serve` runs before it starts)."""
+    vLLM venv; the same check `vllm serve` runs before it starts). With a key, vLLM's
+    middleware set-up (``init_entrypoints_middleware``) on what our launcher gives: vLLM's
+    own check guards ``/inference`` but not the RL and dev routes (``GUARDED_PREFIX``);
+    with our ``--middleware`` guard every route but /health needs the key."""
     import json
+    import os
     import subprocess
 
     from _vllm import require_vllm
@@ -97,15 +130,14 @@ def test_every_flag_we_pass_vllm_is_accepted_by_vllms_own_parser(tmp_path):
     cfg = eval_server_config(ServerConfig(model_path=str(tmp_path), backend="vllm",
                                           vllm=VLLMOptions(kv_cache_memory_mb=64, enforce_eager=True)))
     assert list(cfg.extra_args[:len(EVAL_VLLM_ARGS)]) == list(EVAL_VLLM_ARGS)
-    argv = server_command(cfg, port=5, seed=3)[3:]
-    code = ("import json, sys\n"
-            "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
-            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-            "a = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))\n"
-            "print(json.dumps([a.logprobs_mode, a.enable_chunked_prefill, a.enforce_eager,\n"
-            "                  a.disable_custom_all_reduce, a.disable_sliding_window]))\n")
-    out = subprocess.run([require_vllm(), "-c", code, json.dumps(argv)], capture_output=True,
-                         text=True, timeout=300)
+    extra, env = VLLMEngine().auth(cfg, dict(os.environ), api_key="k3y", weights_root=None,
+                                   private_dir=str(tmp_path))
+    argv = server_command(cfg, port=5, seed=3)[3:] + extra
+    out = subprocess.run([require_vllm(), "-c", _CHECK, json.dumps(argv)], capture_output=True,
+                         text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["processed_logprobs", False, True,
-                                                               True, True]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "flags": ["processed_logprobs", False, True, True, True, None],  # no key on the command line
+        "vllm alone": [[200, 200, 200, 401, 200], [200] * 5],
+        "with our guard": [[401, 401, 401, 401, 200], [200] * 5]}
+

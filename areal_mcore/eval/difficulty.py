@@ -76,34 +76,38 @@ def _sample(job: FilterJob, tokenizer, todo, *, total: int, initial: int) -> dic
     from tqdm import tqdm
 
     from areal_mcore.reward.pool import RewardPool
+    from areal_mcore.rollout.auth import configured_key, launch_key
     from areal_mcore.rollout.servers import launch_servers
 
-    servers, addresses = [], list(job.server.addresses)
+    servers, addresses, key = [], list(job.server.addresses), configured_key(job.server)
     bar = tqdm(total=total, initial=initial, desc="difficulty", unit="problem", disable=not job.filter.progress)
     try:
         if not addresses:
             server = eval_server_config(job.server)
-            servers = launch_servers(server, default_log_dir=job.filter.out + "_servers")  # beside the output
+            key = launch_key(server)  # the configured key, else one for these servers alone
+            servers = launch_servers(server, default_log_dir=job.filter.out + "_servers",  # beside the output
+                                     api_key=key)
             addresses = [s.address for s in servers]
         with RewardPool(job.reward) as pool:
             return asyncio.run(_sample_chunks(job, addresses, pool.ascore,
-                                              partial(tokenizer.decode, skip_special_tokens=True), todo, bar))
+                                              partial(tokenizer.decode, skip_special_tokens=True), todo, bar, key))
     finally:
         bar.close()
         for s in servers:
             s.stop()
 
 
-async def _sample_chunks(job: FilterJob, addresses, reward_fn, decode, todo, bar) -> dict:
-    from areal_mcore.rollout.client import ClientConfig, RolloutClient
+async def _sample_chunks(job: FilterJob, addresses, reward_fn, decode, todo, bar, api_key: str | None) -> dict:
+    from areal_mcore.rollout.client import ClientConfig, RolloutClient, served_vocab_size
     from areal_mcore.rollout.controller import RolloutConfig, RolloutController
 
     cfg, path = job.filter, _samples_path(job.filter.out)
     temperature, top_p = sampling(cfg)
     out: dict[int, list[float]] = {}
     path.parent.mkdir(parents=True, exist_ok=True)
-    async with RolloutClient(ClientConfig(addresses=addresses, api_key=job.server.api_key,
-                                          backend=job.server.backend)) as client:
+    async with RolloutClient(ClientConfig(addresses=addresses, api_key=api_key,
+                                          backend=job.server.backend,
+                                          vocab_size=served_vocab_size(job.server.model_path))) as client:
         for start in range(0, len(todo), cfg.chunk):
             chunk = todo[start:start + cfg.chunk]
             # Seeded by the chunk's first line: the same run draws the same samples.

@@ -83,10 +83,10 @@ def evaluate(job: EvalJob) -> dict:
     changes = sorted({c for _, (*_, cs) in built for c in cs})
     servers = []
     try:
-        servers, addresses, server_info = _servers(job)
+        servers, addresses, server_info, key = _servers(job)
         with RewardPool(job.reward) as pool:
             decode = partial(tokenizer.decode, skip_special_tokens=True)
-            rows = asyncio.run(_sample(job, addresses, pool.ascore, decode, data))
+            rows = asyncio.run(_sample(job, addresses, pool.ascore, decode, data, api_key=key))
     finally:
         for s in servers:
             s.stop()
@@ -105,15 +105,16 @@ def evaluate(job: EvalJob) -> dict:
     return report
 
 
-def _servers(job: EvalJob) -> tuple[list, list[str], dict]:
-    """(servers launched here, addresses, what the report says about them)."""
+def _servers(job: EvalJob) -> tuple[list, list[str], dict, str | None]:
+    """(servers launched here, addresses, what the report says about them, their API key)."""
+    from areal_mcore.rollout.auth import configured_key, launch_key
     from areal_mcore.rollout.servers import launch_servers
 
     if job.server.addresses:
         check_full_attention(job.server.model_path)
         print(f"[eval] using running servers {job.server.addresses}; boba's eval settings for SGLang "
               f"are {' '.join(EVAL_SGLANG_ARGS)} (set when they were started)", flush=True)
-        return [], list(job.server.addresses), {"addresses": list(job.server.addresses)}
+        return [], list(job.server.addresses), {"addresses": list(job.server.addresses)}, configured_key(job.server)
     server = eval_server_config(job.server)
     out = job.eval.out
     settings = (" ".join(EVAL_SGLANG_ARGS) if server.backend == "sglang" else
@@ -121,12 +122,15 @@ def _servers(job: EvalJob) -> tuple[list, list[str], dict]:
                 "none needed (the embedded server is eager PyTorch with whole-prompt prefill and full attention)")
     print(f"[eval] starting {server.n_servers} {server.backend} server(s); eval settings: {settings}", flush=True)
     # Unless server.log_dir says otherwise, the logs go with the report.
-    servers = launch_servers(server, default_log_dir=str(Path(out).with_suffix("")) + "_servers" if out else None)
-    return servers, [s.address for s in servers], {"backend": server.backend, "extra_args": server.extra_args}
+    key = launch_key(server)  # the configured key, else one for these servers alone (docs/rollout.md#security)
+    servers = launch_servers(server, default_log_dir=str(Path(out).with_suffix("")) + "_servers" if out else None,
+                             api_key=key)
+    return servers, [s.address for s in servers], {"backend": server.backend, "extra_args": server.extra_args}, key
 
 
-async def _sample(job: EvalJob, addresses: list[str], reward_fn, decode, data) -> list[dict]:
-    from areal_mcore.rollout.client import ClientConfig, RolloutClient
+async def _sample(job: EvalJob, addresses: list[str], reward_fn, decode, data, *,
+                  api_key: str | None = None) -> list[dict]:
+    from areal_mcore.rollout.client import ClientConfig, RolloutClient, served_vocab_size
     from areal_mcore.rollout.controller import RolloutConfig, RolloutController
 
     cfg = job.eval
@@ -135,8 +139,9 @@ async def _sample(job: EvalJob, addresses: list[str], reward_fn, decode, data) -
                             top_p=top_p, seed=cfg.seed, max_concurrent_rollouts=cfg.max_concurrent_rollouts)
     ks = cfg.ks or default_ks(cfg.n_samples)
     rows = []
-    async with RolloutClient(ClientConfig(addresses=addresses, api_key=job.server.api_key,
+    async with RolloutClient(ClientConfig(addresses=addresses, api_key=api_key,
                                           backend=job.server.backend,
+                                          vocab_size=served_vocab_size(job.server.model_path),
                                           max_connections=rollout.connections)) as client:
         for d, prompts, dropped in data:
             t0 = time.perf_counter()

@@ -4,11 +4,16 @@ The engine's protocol (request/response translation, pause/abort, weight updates
 from ``rollout/engines/``; this module is the part every engine shares.
 
 ``generate`` sends token ids to the least-loaded healthy server and fails over to another
-on connection errors, timeouts and 5xx, keeping the request id: each call returns exactly
-one completion. A completion aborted by ``pause_generation`` or a weight update is
-resubmitted with what it has generated so far (the server holds it until
-``continue_generation``), and each token remembers the weight version that produced it
-(SGLang's ``meta_info.weight_versions`` spans where the server reports them). Every HTTP
+on connection errors, timeouts, 5xx and bad answers, keeping the request id: each call
+returns exactly one completion. Every answer is checked against the engine's contract
+(``Engine.read_generate``: JSON of the engine's shape, token ids in the served vocabulary,
+one finite logprob per token); a server that gives ``max_bad_answers`` bad ones within
+``BAD_ANSWER_WINDOW`` of its answers is faulty: out of generation for good, and the next
+weight push drops it (``Fleet.gone_servers``). A completion aborted by
+``pause_generation`` or a weight update is resubmitted with what it has generated so far
+(the server holds it until ``continue_generation``), and each token remembers the weight
+version that produced it (SGLang's ``meta_info.weight_versions`` spans where the server
+reports them). Every HTTP
 attempt carries a fresh wire rid (``<rid>.<attempt>``): a retried request never collides
 with its own earlier attempt whose abort has not finished ("Duplicate request ID").
 """
@@ -21,6 +26,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import os
 import statistics
 import time
 import uuid
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_mcore.rollout.engines import engine_for
-from areal_mcore.rollout.fleet import OK, Fleet, Server, TransientError
+from areal_mcore.rollout.fleet import OK, BadAnswer, Fleet, Server, TransientError
 from areal_mcore.rollout.protocol import RolloutError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,11 @@ class ClientConfig:
     stall_probe_s: float = 30.0
     slow_factor: float = 10.0  # rollout.slow_request_factor (see RolloutConfig); 0: off
     min_deadline_s: float = 60.0  # rollout.min_request_deadline_s
+    # The served model's vocabulary (its HF config's vocab_size: served_vocab_size): an
+    # answer with a token id outside [0, vocab_size) is a bad answer. None: unchecked,
+    # where no model is known (a stand-in server in a unit test).
+    vocab_size: int | None = None
+    max_bad_answers: int = 3  # rollout.max_bad_answers (see RolloutConfig)
 
     def __post_init__(self):
         engine_for(self.backend)  # raises ValueError naming the engines
@@ -64,6 +75,10 @@ class ClientConfig:
             raise ValueError("rollout.client.addresses is empty: launch servers first")
         if self.max_attempts < 1:
             raise ValueError("rollout.client.max_attempts must be >= 1")
+        if self.max_bad_answers < 1:
+            raise ValueError(f"max_bad_answers={self.max_bad_answers} must be >= 1")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size={self.vocab_size} must be >= 1 (None: unchecked)")
         if self.max_connections < 0:
             raise ValueError(f"max_connections={self.max_connections} must be >= 0 (0: no cap)")
 
@@ -84,6 +99,28 @@ class Completion:
 
 class _Retryable(Exception):
     pass
+
+
+# A server is faulty after max_bad_answers bad answers among its last BAD_ANSWER_WINDOW:
+# an honest server gives none, while a rare glitch (one bad answer an hour) stays a retry.
+BAD_ANSWER_WINDOW = 100
+
+
+def served_vocab_size(model_path: str | None) -> int | None:
+    """The vocabulary of the model the servers serve: its HF config's ``vocab_size``
+    (the text model's, for a config that nests one), the rows of its logits and so the
+    ids it can sample; None without a model path. Megatron pads the trainer's vocabulary
+    beyond it; an id in the gap would train on a row no tokenizer has.
+
+    None also for a path that is no local folder (a hub id the servers resolve
+    themselves): the client looks nothing up over the network."""
+    if model_path is None or not os.path.isdir(model_path):
+        return None
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    size = getattr(hf, "vocab_size", None) or getattr(getattr(hf, "text_config", None), "vocab_size", None)
+    return int(size) if size else None
 
 
 GC_THRESHOLD = 50_000
@@ -128,6 +165,9 @@ class RolloutClient:
         self.fleet = fleet or Fleet(cfg.addresses, api_key=cfg.api_key,
                                     max_connections=cfg.max_connections,
                                     keepalive_s=cfg.keepalive_s, dead_engine=self.engine.dead_engine)
+        # Control calls (pause, weight updates: the syncer's, on the shared fleet) are
+        # watched for stalls as generation is (Fleet.request).
+        self.fleet.stall_after_s, self.fleet.stall_probe_s = cfg.stall_after_s, cfg.stall_probe_s
         self._cancelled: set[str] = set()
         self._wire: dict[str, tuple[Server, str]] = {}  # rid -> (server, wire rid) in flight
         self._background: set[asyncio.Task] = set()
@@ -171,6 +211,7 @@ class RolloutClient:
         """
         c = Completion(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids))
         failed: set[str] = set()
+        last = ""  # this call's last failure, for the error when no server is left
         for wire in itertools.count():
             if c.rid in self._cancelled:  # cancelled between two attempts
                 self._cancelled.discard(c.rid)
@@ -180,7 +221,11 @@ class RolloutClient:
             params = dataclasses.replace(
                 sampling, max_new_tokens=remaining,
                 min_new_tokens=max(0, sampling.min_new_tokens - len(c.output_ids)))
-            server = await self._choose(failed, group)
+            try:
+                server = await self._choose(failed, group)
+            except RolloutError as e:
+                also = f"; its last attempt failed on {last}" if last and last not in str(e) else ""
+                raise RolloutError(f"rid {c.rid}: {e}{also}", e.failed) from None
             path, body = self.engine.generate_request(server, c.input_ids + c.output_ids,
                                                       params, f"{c.rid}.{wire}",
                                                       routed_experts=self.cfg.return_routed_experts)
@@ -200,21 +245,27 @@ class RolloutClient:
                         raise
                     raise _Retryable("the server stalled") from None
                 server.last_answer = time.monotonic()
+                try:
+                    chunk = self.engine.read_generate(server, out, remaining, vocab_size=self.cfg.vocab_size)
+                except BadAnswer as e:
+                    self._bad_answer(server, e)
+                    raise _Retryable(str(e)) from None
+                server.answers += 1
             except _Retryable as e:
                 c.attempts += 1
                 failed.add(server.address)
+                last = str(e) if server.address in str(e) else f"{server.address}: {e}"
                 log.warning("rid %s failed on %s (%s); %d attempt(s) so far", c.rid,
                             server.address, e, c.attempts)
                 if c.attempts >= self.cfg.max_attempts:
                     raise RolloutError(f"rid {c.rid}: {c.attempts} attempts failed, last on "
-                                       f"{server.address}: {e}") from None
+                                       f"{server.address}: {e}", sorted(failed)) from None
                 await asyncio.sleep(self.cfg.retry_delay_s)
                 continue
             finally:
                 server.in_flight -= 1
                 server.attempts.discard(attempt)
                 self._wire.pop(c.rid, None)
-            chunk = self.engine.parse_generate(server, out, remaining)
             if chunk.output_ids and chunk.finish_reason["type"] != "abort":
                 self._rates.append(len(chunk.output_ids) / max(time.monotonic() - sent, 1e-3))
             c.output_ids += chunk.output_ids
@@ -265,7 +316,10 @@ class RolloutClient:
             # Within the stall probe's budget: with no healthy server left, generate's
             # last try waits on this twice before it gives up.
             await self.fleet.check_health(timeout=min(10.0, self.cfg.stall_probe_s))
-        raise RolloutError(f"no healthy rollout server among {self.cfg.addresses}")
+        faulty = [s.fault for s in self.fleet.servers if s.faulty]
+        raise RolloutError(f"no healthy rollout server among {self.cfg.addresses}"
+                           + (f"; faulty for bad answers: {'; '.join(faulty)}" if faulty else ""),
+                           [s.address for s in self.fleet.servers])
 
     async def _watch_stalls(self) -> None:
         """Marks stalled servers (see RolloutConfig.stall_after_s) unhealthy and sends their
@@ -292,6 +346,8 @@ class RolloutClient:
         try:
             return await self.fleet.request(s, "POST", path, body, timeout=timeout, control=False)
         except TransientError as e:
+            if isinstance(e, BadAnswer):  # a body that is not JSON
+                self._bad_answer(s, e)
             if e.timed_out:
                 # The server may still be generating it; free its slot there (the retry
                 # goes out under a new wire rid, so it cannot collide with this one).
@@ -299,6 +355,23 @@ class RolloutClient:
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
             raise _Retryable(str(e)) from None
+
+    def _bad_answer(self, s: Server, e: BadAnswer) -> None:
+        """Counts a bad answer of ``s`` (``generate`` retries the attempt elsewhere); the
+        ``max_bad_answers``-th within ``BAD_ANSWER_WINDOW`` of its answers makes it faulty:
+        unhealthy for good (``check_health`` keeps it so), and reported gone to the weight
+        syncer, which drops it before its next push: a server that lies about its tokens
+        is not trusted with the next weights either. Its attempts in flight finish: their
+        answers are checked as any."""
+        s.answers += 1
+        s.bad_at = [n for n in s.bad_at if s.answers - n < BAD_ANSWER_WINDOW] + [s.answers]
+        if s.faulty or len(s.bad_at) < self.cfg.max_bad_answers:
+            return
+        s.healthy, s.faulty = False, True
+        s.fault = str(e) if s.address in str(e) else f"{s.address}: {e}"
+        log.warning("rollout server %s is faulty: %d bad answers within its last %d, the last: %s; "
+                    "it gets no more requests, and the next weight push drops it", s.address,
+                    len(s.bad_at), min(s.answers, BAD_ANSWER_WINDOW), e)
 
     async def _abort_on(self, s: Server, rid: str) -> None:
         try:

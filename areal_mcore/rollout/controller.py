@@ -83,6 +83,11 @@ class RolloutConfig:
     # in_place requests wait out a sync: min_request_deadline_s must exceed a sync.
     slow_request_factor: float = 10.0
     min_request_deadline_s: float = 60.0
+    # A server whose answer breaks its engine's contract (not JSON, token ids outside the
+    # served vocabulary, logprobs that are NaN or do not match the tokens) gets that
+    # request retried elsewhere; after max_bad_answers bad answers within 100 of its
+    # answers it is faulty: no more requests, and the next weight push drops it.
+    max_bad_answers: int = 3
     # DAPO dynamic sampling: drop groups whose raw rewards are all equal (all wrong or all
     # right) and sample on until the batch holds trainer.batch_size mixed groups, looking
     # at most dynamic_sampling_max_rounds x batch_size groups for one step.
@@ -93,6 +98,7 @@ class RolloutConfig:
         check_positive("dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds)
         check_positive("slow_request_factor", self.slow_request_factor, allow_zero=True)
         check_positive("min_request_deadline_s", self.min_request_deadline_s)
+        check_positive("max_bad_answers", self.max_bad_answers)
         check_positive("n_samples", self.n_samples)
         check_positive("stall_after_s", self.stall_after_s)
         check_positive("stall_probe_s", self.stall_probe_s)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from areal_mcore.net import listens_within
 from areal_mcore.rollout.protocol import LAST_OLD_API, RolloutError
 
 
@@ -32,7 +33,16 @@ class Server:
     pp_size: int = 1
     last_answer: float = 0.0  # monotonic time of its last completion (or busy period's start)
     stalled: bool = False
+    # Taken out for bad answers (the client's ``max_bad_answers``): out of generation for
+    # good, and dropped by the next weight push (``gone_servers``); ``fault``: the last one.
+    faulty: bool = False
+    fault: str = ""
+    answers: int = 0  # generate answers read, good and bad (the client counts them)
+    bad_at: list = dataclasses.field(default_factory=list)  # ``answers`` at each bad one, recent
     attempts: set = dataclasses.field(default_factory=set)  # generate attempts in flight
+    # The process we launched it as (rollout/servers.py); None: a server someone else runs.
+    # A probe finds it gone once that process no longer holds the port, whoever answers there.
+    owner_pid: int | None = None
 
     @property
     def old_api(self) -> bool:
@@ -49,6 +59,12 @@ class TransientError(RolloutError):
                  gone: bool = False):
         super().__init__(message, failed)
         self.timed_out, self.gone = timed_out, gone
+
+
+class BadAnswer(TransientError):
+    """A 2xx answer that breaks the engine's contract: not JSON, a missing or mistyped
+    field, token ids outside the served vocabulary, logprobs that do not match the tokens
+    (``Engine.read_generate``). A server fault, as a 5xx is: another server may serve it."""
 
 
 # What a /health probe found: answered 200, answered otherwise or too late (alive but
@@ -87,6 +103,10 @@ class Fleet:
         self.servers = [Server(a) for a in addresses]
         self.api_key, self.max_connections, self.keepalive_s = api_key, max_connections, keepalive_s
         self.dead_engine = dead_engine  # the engine's: an HTTP error that means it is gone
+        # Control calls are watched for stalls (``request``) when set: the client sets them
+        # from rollout.stall_after_s / stall_probe_s.
+        self.stall_after_s: float | None = None
+        self.stall_probe_s: float = 30.0
         self._generation: aiohttp.ClientSession | None = None
         self._control: aiohttp.ClientSession | None = None
 
@@ -116,6 +136,34 @@ class Fleet:
     # ---- calls -------------------------------------------------------------------------
     async def request(self, s: Server, method: str, path: str, body: dict | None = None, *,
                       timeout: float, parse: bool = True, control: bool = True):
+        """One call to one server (``_request``). A control call that may outlast
+        ``stall_after_s`` is watched: a server that has not answered it by then and does
+        not answer /health within ``stall_probe_s`` either is stalled (a SIGSTOPped or hung
+        engine: its socket accepts, nothing answers), and the call fails as if it were gone,
+        instead of waiting out its timeout (600 s for a pause, with /health never asked).
+        /health answers from the HTTP server's own loop on every engine (SGLang's returns
+        200 at once unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, http_server.py
+        ``health_generate``), so a long weight load does not look stalled."""
+        call = self._request(s, method, path, body, timeout=timeout, parse=parse, control=control)
+        if not (control and self.stall_after_s and timeout > self.stall_after_s and path != "/health"):
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.stall_after_s)
+                if done:
+                    return task.result()
+                if await self.probe(s, self.stall_probe_s) != OK:
+                    s.healthy, s.stalled = False, True
+                    raise TransientError(f"{s.address}{path}: no answer for {self.stall_after_s:g} s and "
+                                         f"none to /health within {self.stall_probe_s:g} s: stalled",
+                                         [s.address], gone=True)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _request(self, s: Server, method: str, path: str, body: dict | None = None, *,
+                       timeout: float, parse: bool = True, control: bool = True):
         """One call to one server. Errors raise ``RolloutError``, ``TransientError`` for
         those another try may not meet; a refused connection or a dead engine marks the
         server unhealthy (a timeout does not: slow is not gone)."""
@@ -123,7 +171,9 @@ class Fleet:
         try:
             async with session.request(method, f"http://{s.address}{path}", json=body,
                                        timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                text = await r.text()
+                # errors="replace": bytes that are not UTF-8 must not raise a UnicodeDecodeError
+                # (a ValueError: a user error to the CLI); JSON with them fails below.
+                text = await r.text(errors="replace")
                 if r.status >= 400 and self.dead_engine(r.status, text):
                     s.healthy = False  # e.g. vLLM's EngineDeadError
                     raise TransientError(f"{s.address}{path}: engine dead: HTTP {r.status}: "
@@ -133,7 +183,11 @@ class Fleet:
                     raise kind(f"{s.address}{path}: HTTP {r.status}: {text[:500]}", [s.address])
                 if not parse or not text or r.content_type != "application/json":
                     return text  # e.g. flush_cache answers in plain text
-                return json.loads(text)  # r.json() would decode the body a second time
+                try:
+                    return json.loads(text)  # r.json() would decode the body a second time
+                except ValueError as e:  # a JSONDecodeError must not pass for a user error
+                    raise BadAnswer(f"{s.address}{path}: HTTP {r.status} with a body that is not "
+                                    f"JSON ({e}): {text[:200]!r}", [s.address]) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
             timed_out = isinstance(e, asyncio.TimeoutError)
             s.healthy = timed_out
@@ -144,11 +198,16 @@ class Fleet:
                   servers: list[Server] | None = None, timeout: float = 600.0,
                   fail_fast: bool = False) -> list:
         """The same call on every server (by default those not found stalled: they answer
-        nothing, and waiting on them is what the client's watchdog is for), concurrently;
-        every failure is reported (``fail_fast``: those up to the first, see ``each``)."""
-        servers = [s for s in self.servers if not s.stalled] if servers is None else servers
+        nothing, and waiting on them is what the client's watchdog is for; nor faulty: out
+        of generation, their next weight push drops them), concurrently; every failure is
+        reported (``fail_fast``: those up to the first, see ``each``)."""
+        servers = self.reachable() if servers is None else servers
         return await self.each(servers, [self.request(s, method, path, body, timeout=timeout)
                                          for s in servers], fail_fast=fail_fast)
+
+    def reachable(self) -> list[Server]:
+        """The servers ``all`` calls by default: neither stalled nor faulty."""
+        return [s for s in self.servers if not (s.stalled or s.faulty)]
 
     @staticmethod
     async def each(servers: list[Server], calls: list, *, fail_fast: bool = False) -> list:
@@ -172,7 +231,12 @@ class Fleet:
 
     # ---- health ------------------------------------------------------------------------
     async def probe(self, s: Server, timeout: float) -> str:
-        """``OK``, ``SLOW`` or ``GONE`` (see above); marks a gone server unhealthy only."""
+        """``OK``, ``SLOW`` or ``GONE`` (see above); marks a gone server unhealthy only.
+        A launched server whose port another process holds now is gone: that one would
+        answer /health, and get our requests and weights."""
+        if s.owner_pid is not None and not await asyncio.to_thread(listens_within, s.owner_pid, _port(s)):
+            s.healthy = False
+            return GONE
         try:
             await self.request(s, "GET", "/health", timeout=timeout, parse=False)
             return OK
@@ -180,25 +244,34 @@ class Fleet:
             return GONE if getattr(e, "gone", False) else SLOW
 
     async def check_health(self, timeout: float = 10.0) -> list[bool]:
-        """Probes every server; those that answer are healthy (and no longer stalled)."""
+        """Probes every server; those that answer are healthy (and no longer stalled), but
+        for faulty ones: a server that answered /generate wrongly answers /health all the same."""
         found = await asyncio.gather(*[self.probe(s, timeout) for s in self.servers])
         for s, f in zip(self.servers, found, strict=True):
-            s.healthy = f == OK
+            s.healthy = f == OK and not s.faulty
             s.stalled = s.stalled and not s.healthy
         return [f == OK for f in found]
 
     def stalled_servers(self) -> list[str]:
         return [s.address for s in self.servers if s.stalled]
 
+    def faulty_servers(self) -> list[str]:
+        return [s.address for s in self.servers if s.faulty]
+
     async def gone_servers(self) -> list[str]:
-        """The stalled servers (a pause would wait on them) and those a ``/health`` probe
-        finds gone (a slow answer or another HTTP error is not)."""
-        probed = [s for s in self.servers if not s.stalled]
+        """The stalled servers (a pause would wait on them), the faulty ones (taken out of
+        generation for bad answers: they get no weights either) and those a ``/health``
+        probe finds gone (a slow answer or another HTTP error is not)."""
+        probed = [s for s in self.servers if not (s.stalled or s.faulty)]
         found = await asyncio.gather(*[self.probe(s, 30.0) for s in probed])
-        return [*self.stalled_servers(), *(s.address for s, f in zip(probed, found, strict=True)
-                                           if f == GONE)]
+        return [*(s.address for s in self.servers if s.stalled or s.faulty),
+                *(s.address for s, f in zip(probed, found, strict=True) if f == GONE)]
 
     def drop(self, addresses: list[str]) -> None:
         """Takes servers out of the fleet for good (gone ones the weight sync left behind:
         back at the same address they would serve old weights)."""
         self.servers = [s for s in self.servers if s.address not in addresses]
+
+
+def _port(s: Server) -> int:
+    return int(s.address.rsplit(":", 1)[1])

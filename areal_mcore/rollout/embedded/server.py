@@ -30,6 +30,11 @@ was sent: a bad cast, shard or load, which the trainer's drift alarm must catch)
 ``--refuse-group-init`` refuses every
 update-group init at once; ``--delay-group-init SUBSTR=SECONDS`` holds init calls whose group name
 contains SUBSTR before they queue (to force an arrival order between servers).
+
+Access (docs/rollout.md#security): with ``$AREAL_ROLLOUT_API_KEY`` set, every route but
+``/health`` needs ``Authorization: Bearer KEY`` (from the environment, never a flag: ``ps``
+shows a command line to every user of the node); with ``--weights-root DIR``,
+``update_weights_from_disk`` loads from under DIR only.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import base64
 import datetime
 import logging
 import os
+import secrets
 import signal
 import uuid
 from dataclasses import dataclass
@@ -50,6 +56,7 @@ from aiohttp import web
 
 from areal_mcore.convert.hf_files import load_hf_state_dict
 from areal_mcore.rollout import weights as W
+from areal_mcore.rollout.auth import KEY_ENV, within
 from areal_mcore.rollout.embedded.engine import DecodeEngine, Request
 from areal_mcore.rollout.protocol import SGLANG_API_VERSION, SamplingParams
 
@@ -63,7 +70,8 @@ class ServerArgs:
     model_path: str
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: str | None = None  # from $AREAL_ROLLOUT_API_KEY (parse_args)
+    weights_root: str | None = None  # update_weights_from_disk loads from under it only; None: anywhere
     random_seed: int = 0
     dtype: str = "float32"
     context_length: int | None = None
@@ -78,6 +86,7 @@ class ServerArgs:
     stall_after: int = 0  # fault injection: generate requests after the N-th never start; 0: off
     step_delay_s: float = 0.0  # fault injection: a sleep after each decode step; 0: off
     perturb_weights: float = 0.0  # fault injection: relative noise on loaded weights; 0: off
+    sigstop_at: str | None = None  # fault injection: "ROUTE:N", SIGSTOP at its N-th request
     enable_return_routed_experts: bool = False  # keep MoE routing for requests that ask (SGLang's flag)
 
     def __post_init__(self):
@@ -142,16 +151,36 @@ async def _body(request: web.Request) -> dict:
 def _api_key_middleware(key: str):
     @web.middleware
     async def check(request: web.Request, handler):
-        # SGLang leaves the health probe open so that load balancers can use it.
+        # SGLang leaves the health probe open so that load balancers can use it; a
+        # constant-time comparison as SGLang's (srt/utils/auth.py decide_request_auth).
         if request.path not in ("/health", "/health_generate") and \
-                request.headers.get("Authorization") != f"Bearer {key}":
+                not secrets.compare_digest(request.headers.get("Authorization", "").encode(),
+                                           f"Bearer {key}".encode()):
             return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
     return check
 
 
+def _sigstop_middleware(spec: str):
+    """Fault injection: ``ROUTE:N`` stops this process (SIGSTOP: a hung engine whose socket
+    still accepts) when the N-th request to ROUTE arrives, before it is served."""
+    route, n = spec.rsplit(":", 1)
+    seen = [0]
+
+    @web.middleware
+    async def stop(request: web.Request, handler):
+        if request.path == route:
+            seen[0] += 1
+            if seen[0] == int(n):
+                os.kill(os.getpid(), signal.SIGSTOP)
+        return await handler(request)
+    return stop
+
+
 def build_app(args: ServerArgs, engine: DecodeEngine, model) -> web.Application:
     middlewares = [_api_key_middleware(args.api_key)] if args.api_key else []
+    if args.sigstop_at:
+        middlewares.append(_sigstop_middleware(args.sigstop_at))
     app = web.Application(middlewares=middlewares, client_max_size=64 * 2**20)
     app[ENGINE_KEY] = engine
     app[STATE_KEY] = _State(args, model)
@@ -476,6 +505,13 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     try:
         if not path:
             raise ValueError("model_path is required")
+        root = st.args.weights_root
+        if root and not within(path, root):
+            # Any caller could otherwise make the server serve weights of its choosing.
+            return web.json_response({"success": False, "num_paused_requests": 0, "message":
+                                      f"model_path {path} is outside this server's weights root {root} "
+                                      "(--weights-root): it loads weights from under that folder only"},
+                                     status=403)
         state = await asyncio.to_thread(load_hf_state_dict, path)
         W.check_weights(st.model, list(state), [list(t.shape) for t in state.values()])
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -546,7 +582,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--model-path", required=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--weights-root", default=None, metavar="DIR",
+                   help="update_weights_from_disk loads from under DIR only (default: anywhere)")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=sorted(W.DTYPES))
     p.add_argument("--context-length", type=int, default=None)
@@ -562,6 +599,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    help="fault injection: generate requests after the N-th are never answered")
     p.add_argument("--step-delay-s", type=float, default=0.0,
                    help="fault injection: sleep this long after every decode step (a slow engine)")
+    p.add_argument("--sigstop-at", default=None, metavar="ROUTE:N",
+                   help="fault injection: SIGSTOP this server when the N-th request to ROUTE arrives")
     p.add_argument("--perturb-weights", type=float, default=0.0, metavar="STD",
                    help="fault injection: every loaded weight times (1 + STD * N(0,1)), reported as a success")
     p.add_argument("--refuse-update", type=int, default=0,
@@ -577,7 +616,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ns = p.parse_args(argv)
     if ns.num_threads:
         torch.set_num_threads(ns.num_threads)
-    return ServerArgs(**{k: v for k, v in vars(ns).items() if k != "num_threads"})
+    # The key from the environment only: a flag would show it in `ps` to every local user.
+    return ServerArgs(api_key=os.environ.get(KEY_ENV) or None,
+                      **{k: v for k, v in vars(ns).items() if k != "num_threads"})
 
 
 def main(argv: list[str] | None = None) -> None:

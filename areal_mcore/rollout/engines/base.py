@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from areal_mcore.rollout.protocol import SamplingParams
+from areal_mcore.rollout.fleet import BadAnswer
+from areal_mcore.rollout.protocol import RolloutError, SamplingParams
 
 if TYPE_CHECKING:
     from areal_mcore.rollout.config import ServerConfig
@@ -42,6 +44,64 @@ class Chunk:
     # [tokens - 1, num_hidden_layers, top_k] int, flat from SGLang (None: not asked for, or
     # not returned)
     routed_experts: np.ndarray | None = None
+
+    def check(self, requested: int, vocab_size: int | None = None) -> None:
+        """The contract of every engine's answer, whatever its wire shape; raises
+        ``ValueError`` saying what is wrong (``Engine.read_generate`` names the server).
+
+        - token ids are ints in [0, ``vocab_size``) (None: unchecked, no model known): an
+          id past the served model's vocabulary crashes the trainer's embedding lookup, or,
+          inside megatron's padded vocabulary, trains on a row no tokenizer has;
+        - at most ``requested`` tokens (the next resubmission asks for the rest);
+        - one logprob per token, a number that is not NaN nor +inf. -inf (log 0) passes:
+          the PPO loss masks non-finite behaviour logprobs out of the gradient (the token,
+          or its sequence at sequence level: ``nonfinite_ratio``, tests/test_ppo_loss.py,
+          test_ppo_robustness.py), so such a sample is not worth a retry;
+        - one weight version per token;
+        - ``finish_reason`` is a dict whose ``type`` is stop, length or abort.
+
+        Written for ~10k-token answers at thousands per step: C-level passes (``map``,
+        ``min``/``max``, ``sum``) first, a per-token walk only to name what failed."""
+        ids, logprobs = self.output_ids, self.logprobs
+        if type(ids) is not list or not set(map(type, ids)) <= {int}:  # bool is no id either
+            bad = next((i for i, t in enumerate(ids) if type(t) is not int), None) if type(ids) is list else None
+            raise ValueError(f"output token ids must be a list of ints, got {describe(ids)}" if bad is None else
+                             f"output token {bad} is {ids[bad]!r}, not an int token id")
+        if len(ids) > requested:
+            raise ValueError(f"{len(ids)} output tokens for the {requested} asked for")
+        high = vocab_size if vocab_size is not None else math.inf
+        if ids and (min(ids) < 0 or max(ids) >= high):
+            i = next(i for i, t in enumerate(ids) if not 0 <= t < high)
+            where = (f"outside the served model's vocabulary [0, {vocab_size})" if vocab_size is not None
+                     else "a negative id")
+            raise ValueError(f"output token {i} has id {ids[i]}, {where}")
+        if type(logprobs) is not list or len(logprobs) != len(ids):
+            raise ValueError(f"{len(ids)} output tokens but logprobs: {describe(logprobs)}")
+        if not set(map(type, logprobs)) <= {float, int}:
+            i = next(i for i, x in enumerate(logprobs) if type(x) not in (float, int))
+            raise ValueError(f"the logprob of output token {i} is " + (
+                "null (SGLang's orjson writes NaN and infinities so)" if logprobs[i] is None
+                else f"{logprobs[i]!r}, not a number"))
+        if not math.isfinite(sum(logprobs)):  # NaN, +inf, or a -inf that passes
+            for i, x in enumerate(logprobs):
+                if x != x or x == math.inf:
+                    raise ValueError(f"the logprob of output token {i} (id {ids[i]}) is {x}")
+        if len(self.versions) != len(ids):
+            raise ValueError(f"{len(ids)} output tokens but {len(self.versions)} weight versions")
+        reason = self.finish_reason
+        if not isinstance(reason, dict) or reason.get("type") not in FINISH_TYPES:
+            raise ValueError(f"finish_reason {reason!r} is not a dict with type one of {FINISH_TYPES}")
+
+
+FINISH_TYPES = ("stop", "length", "abort")
+
+
+def describe(value) -> str:
+    """A short description of a value in a bad answer (a list by its length)."""
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
 
 
 @dataclass(kw_only=True)
@@ -71,6 +131,16 @@ class Engine:
         """The environment one server starts with (``base``: the launcher's)."""
         return base
 
+    def auth(self, cfg: ServerConfig, env: dict[str, str], *, api_key: str | None,
+             weights_root: str | None, private_dir: str) -> tuple[list[str], dict[str, str]]:
+        """How a server learns the key its callers must send (``api_key``; None: none) and
+        the folder ``update_weights_from_disk`` may read from (``weights_root``; None:
+        anywhere): (arguments to add to ``command``, the environment ``env`` becomes). The
+        key never goes in the arguments (``ps`` shows them to every user of the node): by
+        the environment or a 0600 file in ``private_dir``, as the engine's code reads it
+        (``rollout/auth.py``)."""
+        raise NotImplementedError
+
     # ---- generation --------------------------------------------------------------------
     async def detect(self, fleet: Fleet, s: Server) -> None:
         """Fills the server's version and parallel sizes."""
@@ -86,7 +156,26 @@ class Engine:
         raise NotImplementedError
 
     def parse_generate(self, s: Server, out: dict, requested: int) -> Chunk:
+        """One generate answer (a JSON object) in our terms; a shape the engine never
+        sends raises ``ValueError`` saying what is wrong (``read_generate`` calls it)."""
         raise NotImplementedError
+
+    def read_generate(self, s: Server, out, requested: int, *, vocab_size: int | None = None) -> Chunk:
+        """``parse_generate`` of what a generate call returned (``Fleet.request``: parsed
+        JSON, or the text of a body that is not JSON), checked against the contract every
+        engine keeps (``Chunk.check``). A broken answer raises ``BadAnswer`` naming the
+        server: a server fault, which the client fails over as it does a 5xx."""
+        try:
+            if not isinstance(out, dict):
+                raise ValueError("an empty body" if out == "" else f"{describe(out)}, not a JSON object")
+            chunk = self.parse_generate(s, out, requested)
+            chunk.check(requested, vocab_size)
+            return chunk
+        # KeyError and the like: a shape parse_generate's own checks did not foresee.
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            what = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+            address = s.address if s is not None else "?"
+            raise BadAnswer(f"{address}: bad {self.name} generate answer: {what}", [address]) from None
 
     def dead_engine(self, status: int, text: str) -> bool:
         """True when an HTTP error means the engine behind the server is gone for good
@@ -179,6 +268,36 @@ class WeightUpdater:
     async def from_disk(self, path: str, version: str, pause_mode: str) -> None:
         """Loads an HF export, paused around it."""
         raise NotImplementedError
+
+
+def answer_object(s: Server, path: str, answer) -> dict:
+    """A control call's answer (``Fleet.request``: parsed JSON, or the text of a body
+    that is not JSON) as the JSON object it must be, else ``RolloutError`` naming the server."""
+    if not isinstance(answer, dict):
+        raise RolloutError(f"{s.address}{path}: answered {describe(answer) if answer != '' else 'an empty body'}, "
+                           "not a JSON object", [s.address])
+    return answer
+
+
+def answer_field(s: Server, path: str, answer, key: str, convert=str):
+    """``convert(answer[key])`` of a control call's answer; a missing or mistyped field
+    raises ``RolloutError`` naming the server and the field (never a KeyError)."""
+    value = answer_object(s, path, answer).get(key)
+    try:
+        if value is None:
+            raise ValueError
+        return convert(value)
+    except (TypeError, ValueError):
+        raise RolloutError(f"{s.address}{path}: the answer's {key!r} is "
+                           f"{'missing' if value is None else describe(value)}: {describe(answer)}",
+                           [s.address]) from None
+
+
+def positive_int(value) -> int:
+    """A size a server reports (``answer_field``'s ``convert``): an int >= 1."""
+    if type(value) is not int or value < 1:
+        raise ValueError
+    return value
 
 
 def decode_npy_b64(text: str) -> np.ndarray:

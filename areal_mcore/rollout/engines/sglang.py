@@ -18,7 +18,11 @@ from areal_mcore.rollout.engines.base import (
     Engine,
     GroupSpec,
     WeightUpdater,
+    answer_field,
+    answer_object,
     decode_int32_b64,
+    describe,
+    positive_int,
 )
 from areal_mcore.rollout.protocol import RolloutError, SamplingParams, parse_version
 
@@ -109,23 +113,73 @@ class SGLangEngine(Engine):
             cmd.append("--skip-tokenizer-init")
         if cfg.return_routed_experts:
             cmd.append("--enable-return-routed-experts")
-        if cfg.api_key:
-            cmd += ["--api-key", cfg.api_key]
         return cmd + list(cfg.extra_args)
+
+    def auth(self, cfg: ServerConfig, env: dict[str, str], *, api_key: str | None,
+             weights_root: str | None, private_dir: str) -> tuple[list[str], dict[str, str]]:
+        """SGLang (0.5.20, 0.5.23) reads its key from its arguments only: ``--api-key``
+        (``ServerArgs.api_key``, srt/arg_groups/fields/serving.py; no environment variable
+        sets it). The one way around the command line is ``--config FILE.yaml``:
+        ``prepare_server_args`` (srt/server_args.py) merges the file's keys into the parsed
+        arguments in-process (srt/utils/server_args_config_parser.py
+        ``ConfigArgumentMerger.merge_config_with_args``), so ``ps`` shows the file's path,
+        and the file is 0600. SGLang itself still logs the key with its server args at
+        start-up (entrypoints/engine.py ``_server_args_for_logging``; launch_servers keeps
+        the logs 0600) and returns it from ``/server_info`` (behind the key).
+
+        The key guards every route but ``/health*``, ``/ready*`` and ``/metrics``
+        (srt/utils/auth.py ``decide_request_auth``), in single-tokenizer mode only
+        (entrypoints/http_server.py ``launch_server``: ``add_api_key_middleware``), so a
+        key with ``--tokenizer-worker-num`` > 1 is refused here. ``weights_root``: SGLang has
+        no such check; ``update_weights_from_disk`` loads any path a caller with the key
+        names."""
+        if not api_key:
+            return [], env
+        import json
+        from pathlib import Path
+
+        from areal_mcore.checks import field_error
+        from areal_mcore.run_dir import write_private
+
+        extra = list(cfg.extra_args)
+        workers = "1"  # the last spelling wins, as with argparse
+        for flag, value in zip(extra, [*extra[1:], None]):
+            if flag == "--tokenizer-worker-num" and value is not None:
+                workers = value
+            elif flag.startswith("--tokenizer-worker-num="):
+                workers = flag.split("=", 1)[1]
+        if "--config" in extra:  # SGLang takes one ("Multiple config files specified!")
+            raise field_error("server.extra_args", cfg.extra_args,
+                              "has --config, but the launcher passes the server's API key in SGLang's "
+                              "--config file (never on the command line): put the options of your file "
+                              "in server.extra_args instead")
+        if api_key.startswith("-"):  # the merge yields "--api-key -..." and argparse fails on it
+            raise field_error("server.api_key", "<hidden>", "starts with '-', which SGLang's argument parser "
+                              "takes for an option: choose a key (or $AREAL_ROLLOUT_API_KEY) that does not")
+        if workers.strip() != "1":
+            raise field_error("server.extra_args", cfg.extra_args,
+                              f"sets --tokenizer-worker-num {workers}: SGLang checks the API key only with "
+                              "one tokenizer worker (its launch_server), and every route would be open")
+        path = Path(private_dir) / "sglang_api_key.yaml"
+        write_private(path, f"api-key: {json.dumps(api_key)}\n")  # a JSON string is a YAML string
+        return ["--config", str(path)], env
 
     async def detect(self, fleet: Fleet, s: Server) -> None:
         """Version and parallel sizes from /server_info (SGLang 0.5.10-0.5.23 all serve it;
         /get_server_info is its deprecated alias)."""
+        errors = []
         for path in ("/server_info", "/get_server_info"):
             try:
-                info = await fleet.request(s, "GET", path, timeout=30)
-            except RolloutError:
+                info = answer_object(s, path, await fleet.request(s, "GET", path, timeout=30))
+            except RolloutError as e:
+                errors.append(str(e))
                 continue
             s.version = parse_version(str(info.get("version", "")))
-            s.tp_size, s.dp_size, s.pp_size = (int(info.get(k) or 1)
+            s.tp_size, s.dp_size, s.pp_size = (answer_field(s, path, info, k, positive_int) if info.get(k) else 1
                                                for k in ("tp_size", "dp_size", "pp_size"))
             return
-        raise RolloutError(f"{s.address}: neither /server_info nor /get_server_info answered")
+        raise RolloutError(f"{s.address}: neither /server_info nor /get_server_info answered: "
+                           f"{'; '.join(errors)}", [s.address])
 
     def generate_request(self, s: Server, input_ids: list[int], params: SamplingParams,
                          wire_rid: str, *, routed_experts: bool = False) -> tuple[str, dict]:
@@ -136,13 +190,37 @@ class SGLangEngine(Engine):
         return "/generate", body
 
     def parse_generate(self, s: Server, out: dict, requested: int) -> Chunk:
-        meta = out["meta_info"]
-        chunk = out["output_ids"]
+        """SGLang's answer (0.5.10-0.5.23, ``TokenizerManager._handle_batch_output``):
+        ``{"output_ids": [...], "meta_info": {"finish_reason": {...}, "weight_version": ...,
+        "output_token_logprobs": [[logprob, token_id, text], ...], ...}}``, the triples
+        there because every request asks for them (``return_logprob``). SGLang writes its
+        answers with orjson (``utils/json_response.py``), which turns a non-finite float
+        into ``null``: a null logprob is a NaN as far as we can tell, and refused."""
+        meta, ids = out.get("meta_info"), out.get("output_ids")
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta_info is {'missing' if meta is None else type(meta).__name__}, not an object")
+        if not isinstance(ids, list):
+            raise ValueError(f"output_ids is {'missing' if ids is None else type(ids).__name__}, not a list")
+        triples = meta.get("output_token_logprobs")
+        if not isinstance(triples, list) or len(triples) != len(ids):
+            raise ValueError(f"{len(ids)} output_ids but meta_info.output_token_logprobs is "
+                             f"{'missing' if triples is None else describe(triples)}")
+        try:
+            logprobs = [lp for lp, _, _ in triples]
+            token_ids = [t for _, t, _ in triples]
+        except (TypeError, ValueError):
+            raise ValueError("meta_info.output_token_logprobs holds entries that are not "
+                             "[logprob, token_id, text] triples") from None
+        if token_ids != ids:
+            i = next(i for i, (a, b) in enumerate(zip(token_ids, ids)) if a != b)
+            raise ValueError(f"output token {i} is {ids[i]!r} in output_ids but {token_ids[i]!r} "
+                             "in meta_info.output_token_logprobs")
+        # A null logprob: Chunk.check refuses it with the other non-numbers (no pass here).
+        if meta.get("weight_version") is None and not meta.get("weight_versions"):
+            raise ValueError("meta_info has neither weight_version nor weight_versions")
         routed = meta.get("routed_experts")
-        return Chunk(output_ids=chunk,
-                     logprobs=[lp for lp, _, _ in meta.get("output_token_logprobs", [])],
-                     versions=token_versions(meta, len(chunk)),
-                     finish_reason=meta["finish_reason"],
+        return Chunk(output_ids=ids, logprobs=logprobs, versions=token_versions(meta, len(ids)),
+                     finish_reason=meta.get("finish_reason"),
                      routed_experts=decode_int32_b64(routed) if routed else None)
 
     # ---- control -----------------------------------------------------------------------
@@ -163,8 +241,9 @@ class SGLangEngine(Engine):
 
     async def weight_versions(self, fleet: Fleet) -> list[str]:
         """Every server's version, from /model_info (on every SGLang version)."""
-        infos = await fleet.all("GET", "/model_info", timeout=30)
-        return [str(info["weight_version"]) for info in infos]
+        servers = fleet.reachable()
+        infos = await fleet.all("GET", "/model_info", servers=servers, timeout=30)
+        return [answer_field(s, "/model_info", info, "weight_version") for s, info in zip(servers, infos)]
 
 
 class EmbeddedEngine(SGLangEngine):
@@ -179,9 +258,16 @@ class EmbeddedEngine(SGLangEngine):
                "--port", str(port), "--max-running-requests", str(cfg.max_running_requests)]
         if cfg.return_routed_experts:
             cmd.append("--enable-return-routed-experts")
-        if cfg.api_key:
-            cmd += ["--api-key", cfg.api_key]
         return cmd + list(cfg.extra_args)
+
+    def auth(self, cfg: ServerConfig, env: dict[str, str], *, api_key: str | None,
+             weights_root: str | None, private_dir: str) -> tuple[list[str], dict[str, str]]:
+        """Our server reads the key from ``$AREAL_ROLLOUT_API_KEY`` (embedded/server.py
+        ``parse_args``) and refuses a disk load outside ``--weights-root`` (a path, no secret)."""
+        from areal_mcore.rollout.auth import KEY_ENV
+
+        return (["--weights-root", weights_root] if weights_root else [],
+                {**env, KEY_ENV: api_key} if api_key else env)
 
 
 def token_versions(meta: dict, n: int) -> list[str]:

@@ -37,7 +37,17 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from areal_mcore.rollout.engines.base import Chunk, Engine, GroupSpec, WeightUpdater, decode_npy_b64
+from areal_mcore.rollout.engines.base import (
+    Chunk,
+    Engine,
+    GroupSpec,
+    WeightUpdater,
+    answer_field,
+    answer_object,
+    decode_npy_b64,
+    describe,
+    positive_int,
+)
 from areal_mcore.rollout.protocol import (
     RolloutError,
     SamplingParams,
@@ -67,8 +77,15 @@ def default_python() -> str:
 
     if torch.cuda.is_available():
         return sys.executable
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    return os.path.join(root, DEFAULT_CPU_PYTHON)
+    return os.path.join(_repo_root(), DEFAULT_CPU_PYTHON)
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+# Our ASGI guard of every route (VLLMEngine.auth), as vLLM's --middleware names it.
+GUARD = "areal_vllm_gloo.guard.KeyOnEveryRoute"
 
 
 def _on_cpu() -> bool:
@@ -230,9 +247,33 @@ class VLLMEngine(Engine):
             cmd.append("--enable-return-routed-experts")
         if cfg.vllm.enforce_eager:
             cmd.append("--enforce-eager")
-        if cfg.api_key:
-            cmd += ["--api-key", cfg.api_key]
         return cmd + list(cfg.extra_args)
+
+    def auth(self, cfg: ServerConfig, env: dict[str, str], *, api_key: str | None,
+             weights_root: str | None, private_dir: str) -> tuple[list[str], dict[str, str]]:
+        """The key by ``VLLM_API_KEY``, which vLLM reads when no ``--api-key`` is given
+        (entrypoints/serve/middleware/register.py ``init_entrypoints_middleware``). vLLM's
+        own check guards only paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``
+        (entrypoints/serve/middleware/authenticate.py ``GUARDED_PREFIX``): the RL and dev
+        routes the weight sync uses (``/init_weight_transfer_engine``, ``/update_weights``,
+        ``/collective_rpc``, ``/pause``, ...) would answer anyone. So the server also gets
+        our guard of every route but ``/health`` (``areal_vllm_gloo.guard``, from
+        ``plugins/vllm_gloo_transfer``, put on ``PYTHONPATH``: GPU containers have vLLM
+        without our plugin), through vLLM's ``--middleware`` option (an import path,
+        ``app.add_middleware`` in the same function). ``weights_root``: vLLM has no such
+        check; ``reload_weights`` loads any path a caller with the key names."""
+        if not api_key:
+            return [], env
+        plugin = os.path.join(_repo_root(), "plugins", "vllm_gloo_transfer")
+        env = {**env, "VLLM_API_KEY": api_key}
+        if not os.path.isfile(os.path.join(plugin, "areal_vllm_gloo", "guard.py")):
+            print(f"[rollout] warning: {plugin} is missing: the vLLM servers check the API key on "
+                  "/v1, /v2, /inference and /cohere only, and their weight-update routes answer anyone "
+                  "who reaches the port (docs/rollout.md#security)", flush=True)
+            return [], env
+        path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = plugin + (os.pathsep + path if path else "")
+        return ["--middleware", GUARD], env
 
     def env(self, cfg: ServerConfig, base: dict[str, str]) -> dict[str, str]:
         env = {**base, "VLLM_SERVER_DEV_MODE": "1"}
@@ -244,12 +285,13 @@ class VLLMEngine(Engine):
     # ---- generation --------------------------------------------------------------------
     async def detect(self, fleet: Fleet, s: Server) -> None:
         """Version from /version, receiving ranks (TP x PP) from /get_world_size."""
-        info = await fleet.request(s, "GET", "/version", timeout=30)
+        info = answer_object(s, "/version", await fleet.request(s, "GET", "/version", timeout=30))
         s.version = parse_version(str(info.get("version", "")))
-        ws = await fleet.request(s, "GET", "/get_world_size?include_dp=false", timeout=30)
-        s.tp_size = int(ws["world_size"])
-        total = await fleet.request(s, "GET", "/get_world_size?include_dp=true", timeout=30)
-        s.dp_size = int(total["world_size"]) // s.tp_size
+        sizes = []
+        for path in ("/get_world_size?include_dp=false", "/get_world_size?include_dp=true"):
+            sizes.append(answer_field(s, path, await fleet.request(s, "GET", path, timeout=30),
+                                      "world_size", positive_int))
+        s.tp_size, s.dp_size = sizes[0], max(1, sizes[1] // sizes[0])
 
     def generate_request(self, s: Server, input_ids: list[int], params: SamplingParams,
                          wire_rid: str, *, routed_experts: bool = False) -> tuple[str, dict]:
@@ -266,13 +308,42 @@ class VLLMEngine(Engine):
                                           "request_id": wire_rid}
 
     def parse_generate(self, s: Server, out: dict, requested: int) -> Chunk:
-        choice = out["choices"][0]
-        ids = list(choice.get("token_ids") or [])
-        content = (choice.get("logprobs") or {}).get("content") or []
-        logprobs = [float(c["logprob"]) for c in content]
-        if len(logprobs) != len(ids):
-            raise ValueError(f"vLLM answered {len(ids)} tokens but {len(logprobs)} logprobs")
+        """vLLM's ``GenerateResponse`` (``entrypoints/scale_out/token_in_token_out/
+        protocol.py``): ``choices[0]`` with ``token_ids`` (None when none was generated),
+        ``logprobs.content`` (one ``{token_id, logprob}`` per token, asked for with
+        ``logprobs: 0``), ``finish_reason`` (a string) and ``weight_versions`` spans.
+        vLLM writes a NaN or -inf logprob as -9999.0 (``_clamp_logprob`` in
+        ``serving.py``; log p = -9999 itself underflows to -inf in float32), so -9999.0
+        is refused as the NaN it may be."""
+        choices = out.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise ValueError(f"choices is {describe(choices)}, not a list of one choice object")
+        choice = choices[0]
+        ids = choice.get("token_ids")
+        ids = [] if ids is None else ids
+        if not isinstance(ids, list):
+            raise ValueError(f"token_ids is {describe(ids)}, not a list")
+        content = choice.get("logprobs")
+        content = content.get("content") if isinstance(content, dict) else content
+        content = [] if content is None else content
+        if not isinstance(content, list) or len(content) != len(ids):
+            raise ValueError(f"{len(ids)} token_ids but logprobs.content is {describe(content)}")
+        try:
+            logprobs = [c.get("logprob") for c in content]
+            token_ids = [c.get("token_id") for c in content]
+        except AttributeError:
+            raise ValueError("logprobs.content holds entries that are not {token_id, logprob} "
+                             "objects") from None
+        if token_ids != ids:
+            i = next(i for i, (a, b) in enumerate(zip(token_ids, ids)) if a != b)
+            raise ValueError(f"output token {i} is {ids[i]!r} in token_ids but {token_ids[i]!r} "
+                             "in logprobs.content")
+        if -9999.0 in logprobs:
+            raise ValueError(f"the logprob of output token {logprobs.index(-9999.0)} is -9999.0 "
+                             "(vLLM's NaN or -inf)")
         reason = choice.get("finish_reason")
+        if not isinstance(reason, str):
+            raise ValueError(f"finish_reason is {describe(reason)}, not a string")
         if reason == "length":
             finish = finish_length(len(ids))
         elif reason == "stop":
@@ -312,8 +383,9 @@ class VLLMEngine(Engine):
         await fleet.all("POST", "/reset_prefix_cache")
 
     async def weight_versions(self, fleet: Fleet) -> list[str]:
-        infos = await fleet.all("GET", "/weight_info", timeout=30)
-        return [str(i["weight_version"]) for i in infos]
+        servers = fleet.reachable()
+        infos = await fleet.all("GET", "/weight_info", servers=servers, timeout=30)
+        return [answer_field(s, "/weight_info", info, "weight_version") for s, info in zip(servers, infos)]
 
 
 def vllm_pause_mode(mode: str) -> str:
