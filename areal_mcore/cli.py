@@ -283,6 +283,10 @@ def run_train(a) -> int:
     if refuse_unplanned(cfg, a.command):  # ... and a config that cannot fit, before any server
         return 2
     check_run_paths(cfg, a.command)  # and wrong paths, before any rank or server starts
+    if a.command == "train":
+        from areal_mcore.rollout.servers import check_ports_free
+
+        check_ports_free(cfg.server)  # and a taken server.base_port
     if a.command == "sft":
         check_model_folder("sft.base_model", cfg.sft.base_model, cfg.actor.parallel.ep)  # and a model the actor refuses
     else:
@@ -295,10 +299,14 @@ def run_train(a) -> int:
         print(f"sft: NLL {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; "
               f"model written to {cfg.sft.output_dir}")
     else:
-        from areal_mcore.trainer.ppo import train
+        from areal_mcore.trainer.ppo import EXIT_STOPPED, train
 
         history = train(cfg)
         print(f"train: {len(history)} steps; stats in {cfg.trainer.log_dir}/{cfg.experiment_name}/stats.jsonl")
+        if history.stopped:
+            print(f"train: stopped early with a checkpoint (exit code {EXIT_STOPPED}); run the same "
+                  "command again to resume")
+            return EXIT_STOPPED
     return 0
 
 

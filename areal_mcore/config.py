@@ -107,6 +107,7 @@ class ExperimentConfig(InferenceConfig):
             raise ValueError("actor.router_replay=true needs server.return_routed_experts=true: the servers "
                              "return the experts to replay only when started with it")
         self._check_reward_groups()
+        self._check_minibatches()
         self._resolve_loss_norm_tokens()
         self._check_overlong_penalty()
         self._check_allocation()
@@ -117,6 +118,18 @@ class ExperimentConfig(InferenceConfig):
                 f"trainer.max_rollout_logprob_gap={t.max_rollout_logprob_gap} needs "
                 f"ppo.prox_logp_method recompute or metrics (it is {self.ppo.prox_logp_method!r}): the "
                 "gap is measured against the recomputed proximal logprobs; set the method or the gap to null")
+
+    def _check_minibatches(self) -> None:
+        # Each optimizer step takes a slice of the batch's samples: more minibatches than
+        # samples would step on empty ones (it ran 936 steps on 64 samples, most on nothing).
+        t, r, n = self.trainer, self.rollout, self.ppo.ppo_n_minibatches
+        if t is None or r is None:
+            return
+        samples = t.batch_size * r.n_samples
+        if n > samples:
+            raise ValueError(f"ppo.ppo_n_minibatches={n} is more than a batch's {samples} samples "
+                             f"(trainer.batch_size={t.batch_size} x rollout.n_samples={r.n_samples}): "
+                             f"each optimizer step needs samples; set it to at most {samples}")
 
     def _resolve_loss_norm_tokens(self) -> None:
         # Dr.GRPO's constant normaliser defaults to the longest response the rollout allows.

@@ -100,6 +100,17 @@ def check_dataset(key: str, value: str | None) -> None:
     if path.suffix.lower() not in DATA_SUFFIXES:
         raise PathError(f"{key}={value}: {path.suffix or 'no'} extension; expected {expected}")
     _try_read(key, value, path, expected)
+    if path.stat().st_size == 0 or (path.suffix.lower() == ".jsonl" and not _has_text(path)):
+        raise PathError(f"{key}={value}: the file is empty; expected one problem per line")
+
+
+def _has_text(path: Path) -> bool:
+    """Whether a text file has a non-blank character (read in blocks: datasets are large)."""
+    with open(path, "rb") as f:
+        while block := f.read(1 << 16):
+            if block.strip():
+                return True
+    return False
 
 
 def check_writable_dir(key: str, value: str | None) -> None:

@@ -8,6 +8,8 @@ One run lives in ``<trainer.log_dir>/<experiment_name>/``::
     checkpoints/latest      the name of the newest complete checkpoint, e.g. step_00000042
     checkpoints/step_N/     one checkpoint (actor.checkpoint writes it)
     slurm/status.json       where a Slurm job is (launcher/slurm.py rewrites it)
+    rollout_api_key         the key this run's rollout servers require (mode 0600; a new one
+                            each launch: rollout/auth.py, docs/rollout.md#security)
 
 A leaf (stdlib only), so the Slurm launcher reads a run without the training stack and
 neither side keeps its own copy of a file name or format.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -43,6 +46,26 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 def point_latest_at(root: str | Path, name: str) -> None:
     """Atomically makes ``root/latest`` name ``name`` (write a sibling, rename over)."""
     write_atomic(Path(root) / LATEST, name)
+
+
+def new_key() -> str:
+    """256 random bits in hex. Not ``token_urlsafe``: its keys start with "-" one time in
+    64, which argparse takes for an option (SGLang's --config merge hands the key to its
+    parser as ``--api-key KEY``: srt/utils/server_args_config_parser.py)."""
+    return secrets.token_hex(32)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replaces ``path`` atomically by a file only its owner may read or write: created
+    0600 (never world-readable for a moment, whatever the umask), then renamed over."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def write_atomic(path: Path, text: str, *, fsync: bool = True) -> None:
@@ -131,6 +154,20 @@ class RunDir:
     def slurm(self) -> Path:
         return self.path / "slurm"
 
+    # ---- the rollout servers' API key --------------------------------------------------
+    @property
+    def rollout_key_file(self) -> Path:
+        return self.path / "rollout_api_key"
+
+    def new_rollout_key(self) -> str:
+        """A fresh random key for the rollout servers this run launches, kept in
+        ``rollout_key_file`` (owner-only) for whoever else must call them (a user's curl,
+        the Slurm launcher's steps). New at each launch: a key read from an earlier try
+        opens nothing now."""
+        key = new_key()
+        write_private(self.rollout_key_file, key + "\n")
+        return key
+
     # ---- STOP ------------------------------------------------------------------------
     def request_stop(self) -> None:
         (self.path / "STOP").touch()
@@ -179,6 +216,23 @@ class RunDir:
         f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
         f.flush()
         return f
+
+    # ---- how the last trainer ended -------------------------------------------------
+    @property
+    def stopped_file(self) -> Path:
+        return self.path / "STOPPED"
+
+    def mark_stopped(self, step: int) -> None:
+        """The trainer stopped early, checkpointed at ``step``, on a signal or STOP: what a
+        launcher reads to requeue, since torchrun reports every worker's non-zero exit,
+        EXIT_STOPPED included, as its own exit code 1."""
+        write_atomic(self.stopped_file, f"{step}\n", fsync=False)
+
+    def clear_stopped(self) -> None:
+        self.stopped_file.unlink(missing_ok=True)
+
+    def was_stopped(self) -> bool:
+        return self.stopped_file.is_file()
 
     # ---- stats rows ------------------------------------------------------------------
     def append_stats(self, row: dict) -> None:

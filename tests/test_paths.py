@@ -112,3 +112,24 @@ def test_a_hub_id_that_is_no_local_path_is_left_to_the_loader():
 
     assert is_hub_id("inclusionAI/AReaL-boba-Data") and not is_hub_id("./a/b") and not is_hub_id("a/b/c")
     check_dataset("dataset.path", "inclusionAI/AReaL-boba-Data")  # no raise: datasets resolves it
+
+
+def test_an_empty_dataset_file_a_taken_base_port_and_too_many_minibatches_are_named(good, tmp_path, capsys):
+    """Three gaps that started ranks (or servers) first: an empty dataset file ended in
+    the sampler's 'dataset has 0 problems' naming no file; a base port held by a listener
+    that is no server ended in errno 98 inside a traceback 33 s later; 1000 minibatches
+    of 64 samples ran 936 optimizer steps on nothing."""
+    import socket
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    err = _one_line_error(capsys, main(_train(good, f"dataset.path={empty}")))
+    assert f"dataset.path={empty}: the file is empty" in err
+    with socket.socket() as listener:  # not HTTP: it accepts and never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        err = _one_line_error(capsys, main(_train(good, f"server.base_port={port}")))
+    assert f"server.base_port={port} cannot be used: port {port} is taken by pid {os.getpid()} " in err
+    err = _one_line_error(capsys, main(_train(good, "ppo.ppo_n_minibatches=1000")))
+    assert "ppo.ppo_n_minibatches=1000 is more than a batch's 64 samples" in err

@@ -3,6 +3,7 @@ losses equal those of an uninterrupted run (sync mode, bitwise on CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -342,3 +343,146 @@ def test_a_server_serving_other_weights_than_pushed_fires_the_drift_alarm_at_the
     assert "trainer.max_rollout_logprob_gap=0.001" in str(e.value)
     assert not (tmp_path / "resume" / "stats.jsonl").exists()  # the step was not trained
     assert not (tmp_path / "resume" / "checkpoints" / "latest").exists()  # no step had finished
+
+
+def test_a_taken_base_port_is_refused_in_one_line_naming_its_holder_before_anything_starts(tiny, tmp_path, capsys):
+    """Another job's server on server.base_port: our server died of EADDRINUSE while the
+    other answered /health, joined our weight-update group and got our weights. Now the
+    train CLI refuses the port before any rank starts, naming it and its holder."""
+    from areal_mcore.cli import main
+
+    port = int(tiny.server.address.rsplit(":", 1)[1])
+    overrides = [o for o in _overrides(tiny.assets, "x", tmp_path) if not o.startswith("server.addresses")]
+    (tmp_path / "empty.yaml").write_text("{}\n")
+    assert main(["train", "--config", str(tmp_path / "empty.yaml"), *overrides, f"server.base_port={port}"]) == 2
+    err = capsys.readouterr().err.strip()
+    print(err)
+    assert len(err.splitlines()) == 1 and f"server.base_port={port}" in err
+    assert f"port {port} is taken by pid {tiny.server.proc.pid} " in err
+    assert not (tmp_path / "resume").exists()
+
+
+def test_a_launched_server_whose_port_another_process_answers_on_is_never_taken_for_ours(tiny, tmp_path,
+                                                                                          monkeypatch):
+    """The race the check cannot close (the port taken between the check and the bind):
+    the other server answers /health, but it is not our process, so the launch fails
+    naming it instead of handing the run to it."""
+    from areal_mcore.checks import FieldError
+    from areal_mcore.rollout import servers
+    from areal_mcore.rollout.config import ServerConfig
+
+    monkeypatch.setattr(servers, "check_ports_free", lambda cfg: None)
+    port = int(tiny.server.address.rsplit(":", 1)[1])
+    cfg = ServerConfig(model_path=tiny.assets["model"], base_port=port, dtype="float32", context_length=256,
+                       log_dir=str(tmp_path), startup_timeout_s=120)
+    with pytest.raises(FieldError, match=rf"server.base_port={port} cannot be used: port {port} is taken by "
+                                         rf"pid {tiny.server.proc.pid} "):
+        servers.launch_servers(cfg, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_server_killed_mid_push_is_dropped_and_the_run_goes_on_with_the_survivor(tiny, tmp_path):
+    """kill -9 of one of two servers while the weight push is under way (it SIGKILLs
+    itself when step 2's update reaches it): the push failed with WeightSyncError, a
+    traceback, exit 1 and no checkpoint. Now the push is done again to the survivor and
+    the run goes on, its steps the uninterrupted run's."""
+    with contextlib.ExitStack() as stack:
+        victim = stack.enter_context(embedded_servers(tiny.assets["model"], str(tmp_path / "v"), n=1,
+                                                      extra_args=["--die-at-update", "3"]))[0]
+        survivor = stack.enter_context(embedded_servers(tiny.assets["model"], str(tmp_path / "s"), n=1))[0]
+        overrides = [*_overrides(tiny.assets, f"{victim.address},{survivor.address}", tmp_path),
+                     "trainer.save_freq=0"]
+        (rows,) = run_gloo(_ppo_worker, 1, overrides)
+        assert victim.proc.wait(10) == -signal.SIGKILL
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[0]["sync/server_versions"] == ["1", "1"]
+    assert rows[1]["sync/server_versions"] == ["2"]  # the survivor got step 2's weights after all
+    _same_steps(rows, tiny.reference)
+
+
+@pytest.mark.parametrize("route", ["/generate:12", "/pause_generation:2"])
+def test_the_only_server_stopped_mid_rollout_or_mid_sync_ends_the_run_with_a_checkpoint(tiny, tmp_path, route):
+    """SIGSTOP of the run's only server (a hung engine: it accepts connections, answers
+    nothing) as step 2's rollout sends it requests, or as step 1's weight sync pauses it.
+    The pause waited for its 600 s timeout; every control call is now watched like a
+    generate request. (Between steps: the test above.)"""
+    with embedded_servers(tiny.assets["model"], str(tmp_path / "logs"), n=1,
+                          extra_args=["--sigstop-at", route]) as (server,):
+        overrides = [*_overrides(tiny.assets, server.address, tmp_path), "trainer.save_freq=0",
+                     "rollout.stall_after_s=2", "rollout.stall_probe_s=1"]
+        t = time.monotonic()
+        try:
+            with pytest.raises(AssertionError, match=rf"{server.address}") as e:
+                run_gloo(_ppo_worker, 1, overrides)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        took = time.monotonic() - t
+    print(f"{route}: ended after {took:.1f} s: {str(e.value)[-300:]}")
+    assert "RolloutError" in str(e.value) and took < 90
+    # Stopped in step 2's rollout: step 1 is checkpointed; in step 1's sync: step 1 trained, and is.
+    assert (tmp_path / "resume" / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+
+
+def _slow_forward_worker(rank, world, overrides, armed):
+    """The PPO run with each forward-only micro-batch taking 1 s and each training 10 s
+    once ``armed`` exists (a recompute of minutes, as at scale); ``armed.in`` is touched
+    when a slow forward starts."""
+    from areal_mcore.actor.megatron_actor import MegatronActor
+    from areal_mcore.trainer.ppo import train
+
+    run, train_batch = MegatronActor._run, MegatronActor.train_batch
+
+    def slow_run(self, micro, loss_func, forward_only, model=None):
+        if forward_only and os.path.exists(armed):
+            open(armed + ".in", "w").close()
+            time.sleep(1.0)
+        return run(self, micro, loss_func, forward_only, model)
+
+    def slow_train(self, *args, **kwargs):
+        if os.path.exists(armed):
+            time.sleep(10.0)
+        return train_batch(self, *args, **kwargs)
+    MegatronActor._run, MegatronActor.train_batch = slow_run, slow_train
+    history = train(load_config(None, overrides))
+    return list(history), history.stopped
+
+
+def test_sigterm_during_the_recompute_abandons_the_step_within_a_micro_batch_and_the_run_resumes(tiny, tmp_path):
+    """SIGTERM in the proximal recompute went on through it and the step's training
+    before the checkpoint (30.5 s past a 30 s KillWait at the tiny run's scale). Now the
+    forward stops at its next micro-batch, the step is abandoned and the last finished
+    one checkpointed; the run says it stopped (EXIT_STOPPED's STOPPED file), and the
+    resumed run's steps are the uninterrupted run's."""
+    stats, armed = tmp_path / "resume" / "stats.jsonl", str(tmp_path / "armed")
+    overrides = [*_overrides(tiny.assets, tiny.server.address, tmp_path), "trainer.save_freq=0",
+                 "actor.mb_spec.max_tokens_per_mb=64"]  # several micro-batches
+    ctx, port = rank_context(), free_port()
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_worker, args=(0, 1, port, _slow_forward_worker, (overrides, armed), queue,
+                                             _tiers.marks(), dict(os.environ)))
+    proc.start()
+    deadline = time.time() + 300
+    while not (stats.exists() and len(stats.read_text().splitlines()) >= 1):
+        assert time.time() < deadline and proc.exitcode is None
+        time.sleep(0.05)
+    open(armed, "w").close()
+    while not os.path.exists(armed + ".in"):  # in step 2's recompute
+        assert time.time() < deadline and proc.exitcode is None
+        time.sleep(0.02)
+    signalled = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    _, result, error = queue.get(timeout=120)
+    returned = time.monotonic() - signalled
+    proc.join(30)
+    took = time.monotonic() - signalled
+    assert error is None, error
+    import pickle
+
+    rows, stopped = pickle.loads(result)
+    print(f"SIGTERM mid-recompute: checkpointed after {returned:.1f} s, exited after {took:.1f} s")
+    assert stopped and took < 10, took  # a 1 s micro-batch, the checkpoint, the exit (before: 15 s and more)
+    assert (tmp_path / "resume" / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    assert (tmp_path / "resume" / "STOPPED").read_text().strip() == "1"
+    os.unlink(armed)
+    (rows,) = run_gloo(_ppo_worker, 1, overrides)
+    assert [r["step"] for r in rows] == [2, 3, 4] and not (tmp_path / "resume" / "STOPPED").exists()
+    assert [r["step"] for r in _rows(stats)] == [1, 2, 3, 4]

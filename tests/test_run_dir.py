@@ -149,3 +149,21 @@ def test_the_last_rows_are_read_from_the_end_of_the_file(tmp_path):
     with open(run.stats, "a") as f:
         f.write('{"step": 2001, "bl')  # being appended right now
     assert run.last_step() == 2000
+
+
+def test_the_disk_sync_exports_under_the_run_directory_only(tmp_path):
+    """The servers a run launches load from its directory only (--weights-root), so the
+    disk sync never points them elsewhere: weight_sync.disk_dir is taken from the run
+    directory, and one outside it is refused naming the key."""
+    from areal_mcore.checks import FieldError
+    from areal_mcore.weight_sync.disk import export_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "out").symlink_to(tmp_path)
+    assert export_dir("export", str(run)) == str(run / "export")
+    assert export_dir(str(run / "a" / "b"), str(run)) == str(run / "a" / "b")
+    for outside in (str(tmp_path / "export"), "../export", "out/export", "/tmp/x"):
+        with pytest.raises(FieldError, match=rf"weight_sync.disk_dir='{outside}' is outside the run directory"):
+            export_dir(outside, str(run))
+    assert export_dir("/tmp/x", None) == "/tmp/x"  # a syncer outside a run (the tests') as given

@@ -106,7 +106,7 @@ def test_each_architecture_trains_on_vllm_and_samples_as_the_actor_scores(tmp_pa
     moe = {"moe": {"mlp_only_layers": []}} if arch.endswith("_moe") else {}  # both layers MoE
     overrides = _overrides(
         task_assets(tmp_path, arch, layers=2, tie=tie, **VLLM_SHAPE, **moe), tmp_path, arch, "server.backend=vllm", f"server.python={python}",
-        f"weight_sync.mode={sync}", f"weight_sync.disk_dir={tmp_path / 'export'}",
+        f"weight_sync.mode={sync}", "weight_sync.disk_dir=export",  # under the run directory
         "server.vllm.enforce_eager=true", "server.context_length=256", layout,
         "rollout.temperature=0.7", "rollout.n_samples=2", "rollout.max_new_tokens=12",
         "ppo.use_decoupled_loss=true", "ppo.reward_norm.group_size=2", "actor.optimizer.lr=1e-3",

@@ -362,9 +362,15 @@ class MegatronActor:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: PackedBatch, temperature: float = 1.0,
-                         model: torch.nn.Module | None = None) -> torch.Tensor:
+                         model: torch.nn.Module | None = None,
+                         stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
         """logp_T of ``batch``'s own tokens (0 at sequence starts), on every rank, by the
-        actor's model or ``model`` (one from ``build_frozen_model``)."""
+        actor's model or ``model`` (one from ``build_frozen_model``).
+
+        ``stop``: asked between micro-batches where this rank shares no collective in the
+        forward (TP, PP and EP 1; elsewhere the ranks would leave at different micro-batches
+        and the others wait in one): None once it says so (a signal: the caller agrees
+        with the other ranks to abandon the step)."""
         g = self.groups
         module = self.model if model is None else model
         module.eval()
@@ -381,7 +387,16 @@ class MegatronActor:
         measure = model is None and router_replay.FIELD in batch.fields
         # float64: counts stay exact past float32's 2^24 (tokens x MoE layers of a step)
         self._router_counts = torch.zeros(2, dtype=torch.float64, device=self.device) if measure else None
-        outputs = self._run(micro, loss_func, forward_only=True, model=module)
+        if stop is not None and g.tp_size == g.pp_size == g.ep_size == 1:
+            outputs = []
+            for mb in micro:
+                if stop():
+                    if model is None:
+                        self.model.train()
+                    return None
+                outputs += self._run([mb], loss_func, forward_only=True, model=module)
+        else:
+            outputs = self._run(micro, loss_func, forward_only=True, model=module)
         if model is None:
             self.router_disagreement = self._reduce_router_counts() if measure else None
         out_T = torch.zeros(batch.input_ids.numel(), dtype=torch.float32, device=self.device)

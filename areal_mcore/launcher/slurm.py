@@ -116,6 +116,7 @@ class Launcher:
         self.status = Status(self.files, job_id=self.job.job_id)
         self.steps: dict[str, subprocess.Popen] = {}
         self.terminating, self.requeue_self, self.stop_asked = False, requeue_self, False
+        self.api_key: str | None = None  # the rollout servers' (_start_servers)
         self.end_time_read = time.monotonic()  # SlurmJob.from_env read it
         os.environ.update({k: str(v) for k, v in cfg.launch.env.items()})  # srun steps inherit it
         set_nccl_env(os.environ)  # and the weight-update group's NCCL settings, unless set
@@ -133,6 +134,7 @@ class Launcher:
         if job.restarts > launch.max_restarts:
             return self._fail(f"restarted {job.restarts} times, over launch.max_restarts={launch.max_restarts}")
         self.files.clear_stop()  # a request to an earlier try
+        self.files.clear_stopped()  # and how it ended
         if self.requeue_self:
             signal.signal(signal.SIGUSR2, self._on_usr2)
             if _EARLY_USR2:  # arrived while this process was still importing
@@ -154,6 +156,14 @@ class Launcher:
         rendezvous.mkdir(exist_ok=True)
         for old in rendezvous.glob("server_*.json"):
             old.unlink()  # a previous try's ports
+        from areal_mcore.rollout.auth import KEY_ENV, launch_key
+
+        # The servers' key (configured, else new for this try, kept in <run>/rollout_api_key)
+        # reaches the server steps and the trainer step in their environment, never on a
+        # command line (srun's, or the servers': `serve`). SLURM_UMASK: the steps' output
+        # files are created owner-only (srun(1)), as SGLang logs its args, the key among them.
+        self.api_key = launch_key(self.cfg.server, self.files)
+        env = {**step_environment(), KEY_ENV: self.api_key, "SLURM_UMASK": "0077"}
         for i in range(r.d):
             node = nodes[i // per_node]
             srun = self._srun(f"rollout{i}", [node], ntasks_per_node=1,
@@ -161,7 +171,7 @@ class Launcher:
             cmd = [*srun, sys.executable, "-m", "areal_mcore.launcher.slurm", "serve", "--config", self.config,
                    "--index", str(i), "--host", node_address(node), "--rendezvous", str(rendezvous),
                    *self.overrides, f"server.tp_size={r.t}"]
-            self.steps[f"rollout server {i} on {node}"] = subprocess.Popen(cmd, env=step_environment())
+            self.steps[f"rollout server {i} on {node}"] = subprocess.Popen(cmd, env=env)
         deadline = time.monotonic() + self.cfg.launch.server_startup_timeout_s
         addresses = []
         for i in range(r.d):
@@ -193,7 +203,12 @@ class Launcher:
                  *self.overrides, f"actor.parallel.tp={t.t}", f"actor.parallel.pp={t.p}"]
         if addresses:
             train.append("server.addresses=[" + ",".join(f'"{a}"' for a in addresses) + "]")
-        self.steps["trainer"] = subprocess.Popen([*srun, *torchrun, *train], env=step_environment())
+        from areal_mcore.rollout.auth import KEY_ENV
+
+        env = step_environment()
+        if addresses and self.api_key:  # the trainer calls servers it did not start (server.addresses)
+            env[KEY_ENV] = self.api_key
+        self.steps["trainer"] = subprocess.Popen([*srun, *torchrun, *train], env=env)
         self.status.update(state="RUNNING")
 
     def _srun(self, name: str, nodes: list[str], *, ntasks_per_node: int, share: int,
@@ -226,7 +241,9 @@ class Launcher:
         if self.terminating:  # scancel or preemption: whatever the trainer's exit code
             self.status.update(state="TERMINATED")
             return 143
-        if trainer.returncode != 0:
+        # A trainer that stopped early with a checkpoint exits EXIT_STOPPED (75), which
+        # torchrun reports as 1 like any failed worker: the run's STOPPED file tells them apart.
+        if trainer.returncode != 0 and not self.files.was_stopped():
             return self._fail(f"trainer exited with code {trainer.returncode} (log {self.logs / 'trainer.log'})")
         # PPO stops early (with a checkpoint) only when asked to; SFT runs to its end (and
         # logs no PPO steps: a config with a trainer section, as tiny_cpu.yaml, requeued).
@@ -354,15 +371,26 @@ class Launcher:
 def serve(config: str, overrides: list[str], index: int, host: str, rendezvous: Path) -> None:
     """One rollout server (an srun task): picks a port on this node, publishes it, execs."""
     from areal_mcore.config import load_config
+    from areal_mcore.rollout.auth import configured_key
+    from areal_mcore.rollout.engines import engine_for
     from areal_mcore.rollout.servers import server_command
 
     cfg = load_config(config, overrides)
     port = free_port(host)
-    cmd = server_command(dataclasses.replace(cfg.server, host=host), port=port, seed=cfg.server.seed + index)
+    server = dataclasses.replace(cfg.server, host=host)
+    cmd = server_command(server, port=port, seed=cfg.server.seed + index)
+    # As launch_servers does: the engine's environment, and the key (the launcher's, in
+    # ours: Launcher._start_servers) by the engine's own means, never on the command line;
+    # disk loads from under the run directory only. A folder per server for a key file:
+    # the steps on several nodes share the run directory.
+    engine = engine_for(server.backend)
+    run = RunDir.of(cfg.trainer.log_dir, cfg.experiment_name)
+    args, env = engine.auth(server, engine.env(server, dict(os.environ)), api_key=configured_key(server),
+                            weights_root=str(run.path.absolute()), private_dir=str(rendezvous / f"server_{index}"))
     tmp = rendezvous / f".server_{index}.json"
     tmp.write_text(json.dumps({"index": index, "address": f"{host}:{port}", "node": os.uname().nodename}))
     tmp.replace(rendezvous / f"server_{index}.json")
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd + args, env)
 
 
 def trainer_node(nodes: list[str], me: str, port_file: Path, timeout_s: float = 600.0) -> tuple[int, int]:

@@ -25,6 +25,8 @@ class ServerConfig:
     seed: int = 1
     host: str = "127.0.0.1"
     base_port: int | None = None  # None: free ports picked at launch
+    # The key every route but /health needs; None: $AREAL_ROLLOUT_API_KEY, else a random
+    # one per launch (rollout/auth.py). Never passed on a command line.
     api_key: str | None = None
     max_running_requests: int = 64
     skip_tokenizer_init: bool = True

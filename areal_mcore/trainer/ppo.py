@@ -18,6 +18,7 @@ import dataclasses
 import signal
 import threading
 import time
+import traceback
 from datetime import timedelta
 from functools import partial
 
@@ -46,6 +47,7 @@ from areal_mcore.trainer.dispatch import Dispatcher
 from areal_mcore.trainer.event_loop import LoopThread
 from areal_mcore.trainer.rollout_side import RolloutSide
 from areal_mcore.weight_sync import weight_syncer
+from areal_mcore.weight_sync.syncer import WeightSyncError
 
 
 def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens, num_global_seqs, *, entropy_T=None):
@@ -82,6 +84,18 @@ def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens, nu
     return loss, {**stats, **extra, "empty_responses": f["empty_response"].sum()}
 
 
+# The exit code of a run that stopped early with a checkpoint (a signal, <run>/STOP), to
+# be resumed: sysexits.h's EX_TEMPFAIL ("the user is invited to retry"). A finished run
+# exits 0, a failed one 1 (2: a config or path error before anything started).
+EXIT_STOPPED = 75
+
+
+class History(list):
+    """The per-step stats rows (rank 0's); ``stopped``: the run ended early, checkpointed."""
+
+    stopped: bool = False
+
+
 class RolloutDriftError(RuntimeError):
     """The servers' logprobs are further from the trainer's than
     ``trainer.max_rollout_logprob_gap``: they do not serve the weights the trainer pushed."""
@@ -97,21 +111,33 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             with phase("rollout"):
                 got = run.rollout(step)
             if got is None:  # a signal during the rollout: it is abandoned, the last step saved
+                run.stopped = True
                 run.save_interrupted(step)
                 break
             samples, rollout_stats = got
             with phase("advantages"):
                 batch, rewards_B = pack_rollout(samples, ppo, dp_group=run.actor.groups.dp)
             temperature = cfg.rollout.temperature  # score what the servers sampled from
+            # A signal before the optimizer's first step abandons the step (run.abandon):
+            # the forwards stop between micro-batches where they can (compute_logprobs).
+            forwards = ppo.prox_logp_method in ("recompute", "metrics") or run.ref_model is not None
             if ppo.prox_logp_method in ("recompute", "metrics"):
                 with phase("recompute"):  # π_prox before the update
-                    batch.fields["prox"] = run.actor.compute_logprobs(batch, temperature=temperature)
+                    prox = run.actor.compute_logprobs(batch, temperature=temperature, stop=run.signalled)
+                if run.abandon(step, "recompute", prox is None):
+                    break
+                batch.fields["prox"] = prox
                 if run.actor.router_disagreement is not None:  # MoE with the rollout's routing
                     rollout_stats = {**rollout_stats, "moe/router_disagreement": run.actor.router_disagreement}
                 rollout_stats = {**rollout_stats, **run.check_drift(step, batch)}  # may end the run
             if run.ref_model is not None:
                 with phase("reference"):  # the frozen π_ref, at the same temperature
-                    batch.fields["ref"] = run.actor.compute_logprobs(batch, temperature, model=run.ref_model)
+                    ref = run.actor.compute_logprobs(batch, temperature, model=run.ref_model, stop=run.signalled)
+                if run.abandon(step, "reference", ref is None):
+                    break
+                batch.fields["ref"] = ref
+            if not forwards and run.abandon(step, "advantages", False):
+                break
             with phase("advantages"):  # after the forwards: kl_in=reward's penalty needs them
                 add_advantages(batch, rewards_B, ppo, dp_group=run.actor.groups.dp)
             with phase("train"):
@@ -132,8 +158,12 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                 run.maybe_save(step + 1, force=stop)
             run.remember_state()
             if stop:
+                run.stopped = True
                 break
         run.export_if_missing()
+        run.history.stopped = run.stopped
+        if run.stopped and run.rank == 0:
+            run.files.mark_stopped(run.files.checkpoint_step())
     except BaseException:
         try:
             run.close(barrier=False)  # the other ranks may be gone: no collective
@@ -160,8 +190,9 @@ class PPORun:
         self.files = RunDir.of(cfg.trainer.log_dir, cfg.experiment_name)
         self.run_dir = self.files.path
         self.loop = LoopThread()
-        self.history: list[dict] = []
+        self.history = History()
         self._signalled, self._old_handlers, self._lock = False, {}, None
+        self.stopped = False  # ended early, checkpointed, by a signal or <run>/STOP (EXIT_STOPPED)
         self._in_rollout, self._resume_state = False, None
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
@@ -184,6 +215,8 @@ class PPORun:
         refusal = collectives.broadcast_object(refusal, 0, dist.group.WORLD)
         if refusal:
             raise ValueError(refusal)
+        if self.rank == 0:
+            self.files.clear_stopped()  # this try's end is what a launcher reads
         self.actor = MegatronActor(cfg.actor, AutoConfig.from_pretrained(cfg.model_path), seed=cfg.seed,
                                    total_optimizer_steps=cfg.trainer.total_steps * cfg.ppo.ppo_n_minibatches)
         self.actor.load_hf_state_dict(load_hf_state_dict(cfg.model_path))
@@ -197,8 +230,10 @@ class PPORun:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.rollout_side = RolloutSide(cfg, tokenizer, self.files, self.loop)
-        addresses = self.rollout_side.addresses if self.rollout_side is not None else None
-        addresses = collectives.broadcast_object(addresses, 0, self.control)
+        # With the servers' key (rank 0 may have generated it): other ranks send weights too.
+        side = self.rollout_side
+        addresses, api_key = collectives.broadcast_object(
+            (side.addresses, side.api_key) if side is not None else None, 0, self.control)
         self.addresses = addresses
         g = self.actor.groups
         self.dispatcher = Dispatcher(dp_rank=g.dp_rank, dp_size=g.dp_size, mp_group=g.mp, world=dist.group.WORLD,
@@ -206,8 +241,8 @@ class PPORun:
         # Rank 0 shares the rollout client's fleet: a server the sync finds gone gets no
         # more work, and the sync skips those the rollout found stalled.
         fleet = self.rollout_side.client.fleet if self.rollout_side is not None else addresses
-        self.syncer = weight_syncer(cfg.weight_sync, self.actor, fleet, api_key=cfg.server.api_key,
-                                    backend=cfg.server.backend)
+        self.syncer = weight_syncer(cfg.weight_sync, self.actor, fleet, api_key=api_key,
+                                    backend=cfg.server.backend, root=str(self.run_dir))
         self.loop.run(self.syncer.connect())
         self.checkpointer = Checkpointer(CheckpointConfig(root=str(self.files.checkpoints)), group=dist.group.WORLD)
         resumed = self.checkpointer.load(self.actor)
@@ -251,7 +286,8 @@ class PPORun:
         still holds step ``step``'s weights, checkpointed here with the state that step
         ended with (unless it was saved already), so a resumed run redoes the rollout."""
         if self.rank == 0:
-            self.logger.print(f"[ppo] {why} during the rollout of step {step + 1}: abandoned; "
+            where = why if " during the " in why else f"{why} during the rollout"
+            self.logger.print(f"[ppo] {where} of step {step + 1}: abandoned; "
                               f"checkpointing step {step} and exiting")
         if step and self.files.checkpoint_step() != step:
             self.checkpointer.save(self.actor, step=step, weight_version=step, extra=self._resume_state,
@@ -265,8 +301,10 @@ class PPORun:
         if side is not None:
             try:
                 out = self._interruptible(side.rollout)
-            except RolloutError as e:  # e.g. no healthy server left
-                out, error = None, str(e)
+            except Exception as e:  # noqa: BLE001 - every rollout failure keeps the last step
+                out, error = None, str(e) if isinstance(e, RolloutError) else f"{type(e).__name__}: {e}"
+                if not isinstance(e, RolloutError):  # not the servers': where in our code, for the report
+                    traceback.print_exc()
             if out is None:
                 interrupted = True
                 side.abort_all()  # the servers stop generating what nobody waits for
@@ -314,7 +352,26 @@ class PPORun:
         return {f"drift/{k}": v for k, v in gap.items()}
 
     def sync(self, version: int) -> dict:
-        stats = self.loop.run(self.syncer.push(version))
+        """Pushes step ``version``'s weights. A push no server survived (``Syncer.push``
+        re-pushes to survivors) ends the run with the step checkpointed: it trained, and a
+        resumed run syncs first."""
+        stats, error = None, None
+        try:
+            stats = self.loop.run(self.syncer.push(version))
+        except WeightSyncError as e:
+            error = str(e)
+        # Every rank learns it (the ranks of other replicas take no part in a push).
+        error = next(filter(None, collectives.all_gather_object(error, self.control)), None)
+        if error:
+            saved = bool(version) and self.files.checkpoint_step() != version
+            if self.rank == 0:
+                self.logger.print(f"[ppo] the weight sync of step {version} failed"
+                                  + (f": checkpointing step {version} and exiting" if saved else ""))
+            if saved:
+                self.checkpointer.save(self.actor, step=version, weight_version=version, extra=self.state_dict(),
+                                       config_snapshot=dataclasses.asdict(self.cfg))
+            raise RolloutError(error + (f" Step {version} is checkpointed; a resumed run syncs it first."
+                                        if version else ""))
         out = {"sync/time_s": stats.total_s, "sync/bytes": float(stats.bytes)}
         if self.rollout_side is not None:
             out["sync/server_versions"] = self.rollout_side.set_version(version)
@@ -366,6 +423,21 @@ class PPORun:
             self.logger.print(f"[ppo] stop requested: checkpointing step {step} (trained in {train_s:.1f} s; "
                               "weight sync and eval skipped) and exiting; a resumed run continues from here")
         return any(flags)
+
+    def signalled(self) -> bool:
+        return self._signalled
+
+    def abandon(self, step: int, phase: str, stopped: bool) -> bool:
+        """Before step ``step + 1``'s first optimizer step: whether any rank was signalled
+        (``stopped``: this one left its ``phase`` early); if so the step is abandoned and
+        step ``step`` checkpointed (``save_interrupted``), so the run ends within its save
+        time of the signal (Slurm's KillWait: 30 s), not after this step's training."""
+        flags = collectives.all_gather_object(self._signalled or stopped, self.control)
+        if not any(flags):
+            return False
+        self.stopped = True
+        self.save_interrupted(step, why=f"a signal during the {phase}")
+        return True
 
     def _interruptible(self, fn):
         """Rank 0's ``fn()`` (a rollout or an eval: minutes, on servers), abandoned when a

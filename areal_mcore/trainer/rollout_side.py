@@ -17,7 +17,8 @@ from functools import partial
 from areal_mcore.data.prompts import prompts_for
 from areal_mcore.data.sampler import EpochSampler
 from areal_mcore.reward.pool import RewardCounts, RewardPool
-from areal_mcore.rollout.client import ClientConfig, RolloutClient, relax_gc
+from areal_mcore.rollout.auth import configured_key, launch_key
+from areal_mcore.rollout.client import ClientConfig, RolloutClient, relax_gc, served_vocab_size
 from areal_mcore.rollout.controller import RolloutBatch, RolloutController
 from areal_mcore.rollout.protocol import RolloutError
 from areal_mcore.rollout.servers import launch_servers
@@ -47,23 +48,37 @@ class RolloutSide:
         self.prompts = train_set.prompts
         print(f"[ppo] {len(self.prompts)} prompts ({train_set.dropped_long} longer than "
               f"{t.max_prompt_tokens} tokens dropped)", flush=True)
+        if len(self.prompts) < t.batch_size:  # the sampler would say so without naming the file
+            raise ValueError(f"dataset.path={cfg.dataset.path}: {len(self.prompts)} usable prompts "
+                             f"({train_set.dropped_long} longer than trainer.max_prompt_tokens="
+                             f"{t.max_prompt_tokens} dropped), fewer than trainer.batch_size={t.batch_size}")
         self.sampler = EpochSampler(len(self.prompts), t.batch_size, cfg.seed)
         self.addresses = list(cfg.server.addresses)
+        # Servers we launch take a key of this run's unless one is configured, and load
+        # weights from disk only from under the run directory (docs/rollout.md#security);
+        # servers someone else started (server.addresses) get the configured key, if any.
+        self.api_key = configured_key(cfg.server)
         if not self.addresses:
-            self.servers = launch_servers(cfg.server, default_log_dir=str(run.servers))  # logs with the run
+            self.api_key = launch_key(cfg.server, run)
+            self.servers = launch_servers(cfg.server, default_log_dir=str(run.servers),  # logs with the run
+                                          api_key=self.api_key, weights_root=str(run.path.absolute()))
             self.addresses = [s.address for s in self.servers]
         self.pool = RewardPool(cfg.reward)
         # The training rollouts' reward errors and timeouts (evals score through their own).
         self.reward_counts, self._counted = RewardCounts(), RewardCounts()
         relax_gc()  # rank 0's event loop parses every response (see relax_gc)
-        self.client = RolloutClient(ClientConfig(addresses=self.addresses, api_key=cfg.server.api_key,
+        self.client = RolloutClient(ClientConfig(addresses=self.addresses, api_key=self.api_key,
                                                  backend=cfg.server.backend,
                                                  max_connections=cfg.rollout.connections,
                                                  stall_after_s=cfg.rollout.stall_after_s,
                                                  stall_probe_s=cfg.rollout.stall_probe_s,
                                                  slow_factor=cfg.rollout.slow_request_factor,
                                                  min_deadline_s=cfg.rollout.min_request_deadline_s,
+                                                 max_bad_answers=cfg.rollout.max_bad_answers,
+                                                 vocab_size=served_vocab_size(cfg.server.model_path or cfg.model_path),
                                                  return_routed_experts=cfg.server.return_routed_experts))
+        for server, process in zip(self.client.fleet.servers, self.servers):  # none with server.addresses
+            server.owner_pid = process.proc.pid
         self.loop.run(self.client.start())
         self.decode = partial(tokenizer.decode, skip_special_tokens=True)
         self.controller = RolloutController(cfg.rollout, self.client,

@@ -25,6 +25,8 @@ class WeightSyncConfig:
     # generated), retract (back to the queue, cache recomputed) or in_place (kept with
     # their cache: old-weight KV, no flush).
     pause_mode: str = "abort"
+    # mode=disk: where the HF export goes; under the run directory (a relative path is
+    # taken from it), the only tree the run's servers load from (weight_sync/disk.py).
     disk_dir: str | None = None
     timeout_s: float = 600.0  # the update groups' (store, rendezvous, NCCL watchdog)
     # How long one bucket's broadcast may take before the push fails; None: timeout_s / 2.

@@ -28,7 +28,8 @@ everything still reports the old version. On any failure every rank raises
 ``WeightSyncError`` naming the servers; the update session is closed on every server
 (SGLang refuses a second begin while one is open), the groups are re-formed before the
 next push (a failed broadcast leaves a group unusable), and the servers stay paused: none
-serves a half-applied update until a push succeeds.
+serves a half-applied update until a push succeeds. A push that failed because servers
+went (kill -9, a lost node) is done again to the survivors (``Syncer.push``).
 """
 
 from __future__ import annotations
@@ -197,9 +198,6 @@ class DistributedSync(Syncer):
 
     # ---- one update ------------------------------------------------------------------------
     async def _push(self, version: int, stats: SyncStats) -> None:
-        if not self.roles.participates:
-            return
-        stats.dropped_servers = await self._drop_gone_servers()
         if self._regroup:
             await self._form_groups()
         # Bucket 0 is gathered and packed now: its TP all-gathers run at the same point on
@@ -220,26 +218,8 @@ class DistributedSync(Syncer):
                 await self.updater.end(best_effort=True)
             raise
 
-    async def _drop_gone_servers(self) -> list[str]:
-        """Servers that no longer answer ``/health`` (a lost node, kill -9), and those the
-        rollout side found stalled (a pause would wait on them), leave the fleet for good
-        and the push goes on to the others, in groups re-formed without them (back at the
-        same address, they would serve old weights). The coordinator probes; every
-        participating rank learns the verdict."""
-        gone = await self.fleet.gone_servers() if self.roles.coordinator else []
-        gone = sorted({a for part in await self._in_thread(collectives.all_gather_object, gone,
-                                                           self.roles.group) for a in part})
-        if not gone:
-            return []
-        if self.roles.sender:
-            self.fleet.drop(gone)
-            if not self.fleet.servers:
-                raise WeightSyncError(f"no rollout server left: {gone} no longer answer /health", gone)
-        if self.roles.coordinator:
-            print(f"[weight_sync] rollout server(s) {gone} no longer answer /health: syncing the other "
-                  f"{len(self.fleet.servers)} from now on", flush=True)
+    def _servers_changed(self) -> None:
         self._regroup = True  # the groups' world size changed
-        return gone
 
     async def _send_stage(self, version: int, stats: SyncStats, first: list[torch.Tensor] | None) -> None:
         """This stage's buckets; ``first``: bucket 0's payload."""

@@ -124,12 +124,59 @@ class Syncer:
             await self.fleet.close()
 
     async def push(self, version: int) -> SyncStats:
-        """Makes every server serve this actor's weights as ``version`` (all ranks call)."""
-        stats = SyncStats()
+        """Makes every server serve this actor's weights as ``version`` (all ranks call).
+
+        Servers found gone (``_drop_gone_servers``) before the push, or after a push that
+        failed, leave the fleet; a push that failed while some went is done again to the
+        survivors (a server killed mid-push fails the whole push: its broadcast cannot
+        complete for anyone). A failure with no server gone, or with none left, raises."""
         start = time.perf_counter()
-        await self._push(version, stats)
+        stats = SyncStats()
+        if not self.roles.participates:
+            return stats
+        dropped = await self._drop_gone_servers()
+        while True:
+            try:
+                await self._push(version, stats)
+                break
+            except WeightSyncError:
+                gone = await self._drop_gone_servers()
+                if not gone:
+                    raise
+                dropped += gone
+                stats = SyncStats()
+                if self.roles.coordinator:
+                    print(f"[weight_sync] pushing version {version} again, to the other "
+                          f"{len(self.fleet.servers)} server(s): {gone} went during the push", flush=True)
+        stats.dropped_servers = dropped
         stats.total_s = time.perf_counter() - start
         return stats
+
+    async def _drop_gone_servers(self) -> list[str]:
+        """Servers that no longer answer ``/health`` (a lost node, kill -9), whose port
+        another process holds now, that the rollout side found stalled (a pause would wait
+        on them) or faulty (repeated bad answers: ``Fleet.gone_servers``), leave the fleet for good, in groups re-formed without them (back at
+        the same address they would serve old weights). The coordinator probes; every
+        participating rank learns the verdict. Raises when none is left."""
+        gone = await self.fleet.gone_servers() if self.roles.coordinator else []
+        gone = sorted({a for part in await self._in_thread(collectives.all_gather_object, gone,
+                                                           self.roles.group) for a in part})
+        if not gone:
+            return []
+        if self.roles.sender:
+            self.fleet.drop(gone)
+            if not self.fleet.servers:
+                raise WeightSyncError(f"no rollout server left: {gone} are gone (no answer to /health, "
+                                      "stalled, their port taken over, or repeated bad answers)", gone)
+        if self.roles.coordinator:
+            print(f"[weight_sync] rollout server(s) {gone} are gone (no answer to /health, stalled, their port "
+                  f"taken over, or repeated bad answers): syncing the other {len(self.fleet.servers)} from now on",
+                  flush=True)
+        self._servers_changed()
+        return gone
+
+    def _servers_changed(self) -> None:
+        """The fleet lost servers (the distributed sync re-forms its groups)."""
 
     async def _push(self, version: int, stats: SyncStats) -> None:
         raise NotImplementedError

