@@ -438,8 +438,8 @@ def _slow_forward_worker(rank, world, overrides, armed):
         return run(self, micro, loss_func, forward_only, model)
 
     def slow_train(self, *args, **kwargs):
-        if os.path.exists(armed):
-            time.sleep(10.0)
+        if os.path.exists(armed):  # a step that is not abandoned overruns any bound below
+            time.sleep(30.0)
         return train_batch(self, *args, **kwargs)
     MegatronActor._run, MegatronActor.train_batch = slow_run, slow_train
     history = train(load_config(None, overrides))
@@ -479,7 +479,9 @@ def test_sigterm_during_the_recompute_abandons_the_step_within_a_micro_batch_and
 
     rows, stopped = pickle.loads(result)
     print(f"SIGTERM mid-recompute: checkpointed after {returned:.1f} s, exited after {took:.1f} s")
-    assert stopped and took < 10, took  # a 1 s micro-batch, the checkpoint, the exit (before: 15 s and more)
+    # A 1 s micro-batch, the checkpoint and the exit: 5-6 s alone, 10 s on a loaded CI
+    # machine; a step that went on to train would take 30 s more.
+    assert stopped and took < 25, took
     assert (tmp_path / "resume" / "checkpoints" / "latest").read_text().strip() == "step_00000001"
     assert (tmp_path / "resume" / "STOPPED").read_text().strip() == "1"
     os.unlink(armed)
