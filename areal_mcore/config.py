@@ -111,6 +111,7 @@ class ExperimentConfig(InferenceConfig):
         self._resolve_loss_norm_tokens()
         self._check_overlong_penalty()
         self._check_allocation()
+        self._resolve_drift_alarm()
         t = self.trainer
         recomputed = ("recompute", "metrics")  # the methods that run the proximal forward pass
         if t is not None and t.max_rollout_logprob_gap is not None and self.ppo.prox_logp_method not in recomputed:
@@ -118,6 +119,22 @@ class ExperimentConfig(InferenceConfig):
                 f"trainer.max_rollout_logprob_gap={t.max_rollout_logprob_gap} needs "
                 f"ppo.prox_logp_method recompute or metrics (it is {self.ppo.prox_logp_method!r}): the "
                 "gap is measured against the recomputed proximal logprobs; set the method or the gap to null")
+
+    def _resolve_drift_alarm(self) -> None:
+        # On unless switched off: null picks the threshold by the dtypes on the two sides
+        # of the gap (trainer/config.py DRIFT_GAP_BY_PRECISION). Only the recomputing
+        # methods measure the gap; with another one a default stays off, a set value is refused below.
+        from areal_mcore.trainer.config import DRIFT_GAP_BY_PRECISION
+
+        t = self.trainer
+        if t is None:
+            return
+        if not t.drift_alarm:
+            self.trainer = dataclasses.replace(t, max_rollout_logprob_gap=None)
+        elif t.max_rollout_logprob_gap is None and self.ppo.prox_logp_method in ("recompute", "metrics"):
+            dtypes = {self.actor.dtype, self.weight_sync.dtype, *([self.server.dtype] if self.server else [])}
+            gap = DRIFT_GAP_BY_PRECISION["float32" if dtypes == {"float32"} else "reduced"]
+            self.trainer = dataclasses.replace(t, max_rollout_logprob_gap=gap)
 
     def _check_minibatches(self) -> None:
         # Each optimizer step takes a slice of the batch's samples: more minibatches than

@@ -56,13 +56,22 @@ def test_identical_logprobs_give_zero_gap_and_no_loss_tokens_give_zeros():
     assert empty == {"tokens": 0.0, "gap_mean_abs": 0.0, "gap_p99_abs": 0.0, "k3_kl": 0.0}
 
 
-def test_the_drift_alarm_is_off_by_default_needs_a_positive_gap_and_the_recomputed_proximal():
+def test_the_drift_alarm_is_on_by_default_at_the_dtypes_threshold_needs_a_positive_gap_and_the_proximal():
     from areal_mcore.config import ConfigError, load_config
-    from areal_mcore.trainer.config import TrainerConfig
 
-    tiny = Path(__file__).parents[1] / "configs" / "tiny_cpu.yaml"
-    assert TrainerConfig(total_steps=1, batch_size=1).max_rollout_logprob_gap is None
-    assert load_config(tiny).trainer.max_rollout_logprob_gap == 0.01  # the tiny run turns it on
+    configs = Path(__file__).parents[1] / "configs"
+    tiny = configs / "tiny_cpu.yaml"
+    assert load_config(tiny).trainer.max_rollout_logprob_gap == 1e-3  # all float32
+    for shipped in configs.glob("*.yaml"):  # every PPO config: on, bf16's threshold beyond the tiny run's
+        cfg = load_config(shipped)
+        if cfg.trainer is not None and cfg.rollout is not None and shipped != tiny:
+            assert cfg.trainer.max_rollout_logprob_gap == 0.1, shipped
+    assert load_config(tiny, ["weight_sync.dtype=bfloat16"]).trainer.max_rollout_logprob_gap == 0.1
+    assert load_config(tiny, ["trainer.drift_alarm=false"]).trainer.max_rollout_logprob_gap is None
+    assert load_config(tiny, ["trainer.max_rollout_logprob_gap=0.5"]).trainer.max_rollout_logprob_gap == 0.5
+    # A method without the proximal forward pass: the default stays off, a set value is refused.
+    assert load_config(tiny, ["ppo.use_decoupled_loss=true", "ppo.prox_logp_method=loglinear"]
+                       ).trainer.max_rollout_logprob_gap is None
     with pytest.raises(ConfigError, match=r"trainer.max_rollout_logprob_gap=-1.0 must be > 0"):
         load_config(tiny, ["trainer.max_rollout_logprob_gap=-1"])
     for method in ("loglinear", "reuse_train_logp"):  # no proximal forward pass to compare with
