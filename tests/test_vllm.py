@@ -309,6 +309,55 @@ def test_bad_vllm_answers_through_a_corrupting_proxy_fail_over_and_take_the_serv
     check_drill(seen, caplog.records)
 
 
+def _kill_mid_push_worker(rank, world, addresses, victim_pgid, version):
+    """A push whose third bucket finds the victim SIGKILLed (a node lost mid-push)."""
+    import signal
+
+    from _actor_setup import tiny_actor
+
+    from areal_mcore.packing import pack
+    from areal_mcore.weight_sync import weight_syncer
+    from areal_mcore.weight_sync.config import WeightSyncConfig
+
+    actor = tiny_actor(shape=VLLM_SHAPE)
+    cfg = WeightSyncConfig(bucket_mb=0.07, dtype="float32", master_address="127.0.0.1", timeout_s=120)
+    syncer = weight_syncer(cfg, actor, addresses, backend="vllm")
+    sent, calls = syncer._broadcast, [0]
+
+    def broadcast(payload):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.killpg(victim_pgid, signal.SIGKILL)
+        sent(payload)
+    syncer._broadcast = broadcast
+
+    async def go():
+        await syncer.connect()
+        stats = await syncer.push(version)
+        await syncer.close()
+        return stats
+    stats = asyncio.run(go())
+    ids, server_logp = _greedy(addresses[1])
+    logp = actor.compute_logprobs(pack([torch.tensor(PROMPT + ids)]))[len(PROMPT):]
+    return {"dropped": stats.dropped_servers, "buckets": stats.buckets, "calls": calls[0],
+            "version": http(addresses[1], "GET", "/weight_info")[1]["weight_version"],
+            "gap": (torch.tensor(server_logp) - logp).abs().max().item()}
+
+
+@pytest.mark.multirank
+def test_a_vllm_server_killed_mid_push_is_dropped_and_the_push_is_done_again_to_the_survivor(
+        servers, model_dir, tmp_path):
+    """kill -9 of one vLLM server during a weight push (at its third bucket): the push
+    failed with WeightSyncError (a run's traceback, no checkpoint); now the dead server is
+    dropped and the push done again to the survivor, in a group re-formed with vLLM's
+    weight-transfer engine, and the survivor serves the actor's logprobs."""
+    with vllm_servers(model_dir, str(tmp_path / "victim"), n=1) as (victim,):
+        (out,) = run_gloo(_kill_mid_push_worker, 1, [victim.address, servers[0].address], victim.proc.pid, 9)
+        assert victim.proc.wait(30) == -9
+    assert out["dropped"] == [victim.address] and out["calls"] == 3 + out["buckets"], out
+    assert out["version"] == "9" and out["gap"] < 1e-4, out
+
+
 def test_kill_9_of_one_of_two_servers_mid_batch_completes_on_the_survivor(servers):
     """Runs last: it kills the second server of the module's pair, with the batch's
     requests in flight there: that server is paused first (``keep``: vLLM holds what
