@@ -463,3 +463,56 @@ def test_a_server_that_refuses_the_group_fails_the_setup_at_once_not_at_the_stor
         [(message, took)] = run_gloo(_refused_connect_worker, 1, [servers[0].address])
     assert message is not None and "injected refusal" in message, message
     assert took < 60, took
+
+
+def _stopped_between_pushes_worker(rank, world, addresses, victim_pid):
+    """A client generating on both servers, the second SIGSTOPped after the syncer
+    connected (a hung engine found by no one yet), then a push on the client's fleet."""
+    import os
+
+    from _actor_setup import tiny_actor
+
+    from areal_mcore.rollout.client import ClientConfig, RolloutClient
+    from areal_mcore.rollout.protocol import SamplingParams
+    from areal_mcore.weight_sync import weight_syncer
+
+    actor = tiny_actor()
+    cfg = WeightSyncConfig(bucket_mb=1.0, dtype="float32", master_address="127.0.0.1", timeout_s=60)
+    sampling = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True)
+
+    async def go():
+        # The client's watchdog would find the stall only after 60 s: the push must find it.
+        async with RolloutClient(ClientConfig(addresses=addresses, stall_after_s=60, stall_probe_s=1)) as c:
+            syncer = weight_syncer(cfg, actor, c.fleet)
+            await syncer.connect()
+            gen = asyncio.gather(*[c.generate(PROMPT, sampling, rid=f"s{i}") for i in range(8)])
+            victim = c.fleet.servers[1]
+            while victim.in_flight < 4:  # least-loaded placement: half of them there
+                await asyncio.sleep(0.01)
+            os.kill(victim_pid, signal.SIGSTOP)
+            t = time.monotonic()
+            stats = await syncer.push(4)
+            took = time.monotonic() - t
+            outs = await asyncio.wait_for(gen, 60)
+            await syncer.close()
+        return {"took": took, "dropped": stats.dropped_servers,
+                "lengths": [len(o.output_ids) for o in outs], "moved": sum(o.attempts for o in outs)}
+    try:
+        return asyncio.run(go())
+    finally:
+        os.kill(victim_pid, signal.SIGCONT)
+
+
+def test_a_server_stopped_between_pushes_is_dropped_by_the_next_push_in_one_probe(servers):
+    """Runs last: it stops the module's second server. A server SIGSTOPped since the
+    rollout last heard from it passed the push's /health probe (30 s, then "slow", kept),
+    the push's pause waited on it (stall_after_s + stall_probe_s), failed, and was done
+    again: 102 s for the step of a tiny async run that found it (30 s after this fix, at
+    the default stall_probe_s). Now a probe that gets no answer within stall_probe_s finds
+    it stalled before the push, and its requests in flight move to the other server at
+    once (they waited for the client's watchdog, which skips unhealthy servers)."""
+    [out] = run_gloo(_stopped_between_pushes_worker, 1, [s.address for s in servers], servers[1].proc.pid)
+    print(out)
+    assert out["dropped"] == [servers[1].address] and out["took"] < 10, out
+    assert out["lengths"] == [200] * 8 and out["moved"] >= 4, out
+    assert http(servers[0].address, "GET", "/model_info")[1]["weight_version"] == "4"

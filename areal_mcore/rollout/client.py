@@ -334,12 +334,12 @@ class RolloutClient:
                 if await self.fleet.probe(s, self.cfg.stall_probe_s) == OK:
                     s.last_answer = time.monotonic()  # alive: long generations, no answer yet
                     continue
-                s.healthy, s.stalled = False, True
+                if s.stalled:  # found meanwhile by a watched control call or the push's probe
+                    continue
                 log.warning("rollout server %s stalled: no answer for %.0f s and none to /health "
                             "within %.0f s; its %d request(s) go to the other servers", s.address,
                             quiet, self.cfg.stall_probe_s, s.in_flight)
-                for attempt in list(s.attempts):
-                    attempt.cancel()
+                self.fleet.mark_stalled(s)
 
     async def _attempt(self, s: Server, path: str, body: dict, *, timeout: float, wire_rid: str):
         """One generate attempt; what another server may serve raises ``_Retryable``."""

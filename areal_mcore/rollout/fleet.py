@@ -67,9 +67,11 @@ class BadAnswer(TransientError):
     (``Engine.read_generate``). A server fault, as a 5xx is: another server may serve it."""
 
 
-# What a /health probe found: answered 200, answered otherwise or too late (alive but
-# slow or busy), or gone (a refused connection or an engine that says it is dead).
-OK, SLOW, GONE = "ok", "slow", "gone"
+# What a /health probe found: answered 200, answered otherwise (alive but busy), nothing
+# within its timeout (a stopped or hung process: /health answers from the HTTP server's own
+# loop on every engine, see ``Fleet.request``), or gone (a refused connection, an engine
+# that says it is dead, its port taken over).
+OK, SLOW, SILENT, GONE = "ok", "slow", "silent", "gone"
 
 
 def _allow_open_files(connections: int) -> None:
@@ -154,7 +156,7 @@ class Fleet:
                 if done:
                     return task.result()
                 if await self.probe(s, self.stall_probe_s) != OK:
-                    s.healthy, s.stalled = False, True
+                    self.mark_stalled(s)
                     raise TransientError(f"{s.address}{path}: no answer for {self.stall_after_s:g} s and "
                                          f"none to /health within {self.stall_probe_s:g} s: stalled",
                                          [s.address], gone=True)
@@ -231,7 +233,7 @@ class Fleet:
 
     # ---- health ------------------------------------------------------------------------
     async def probe(self, s: Server, timeout: float) -> str:
-        """``OK``, ``SLOW`` or ``GONE`` (see above); marks a gone server unhealthy only.
+        """``OK``, ``SLOW``, ``SILENT`` or ``GONE`` (see above); marks a gone server unhealthy only.
         A launched server whose port another process holds now is gone: that one would
         answer /health, and get our requests and weights."""
         if s.owner_pid is not None and not await asyncio.to_thread(listens_within, s.owner_pid, _port(s)):
@@ -241,7 +243,7 @@ class Fleet:
             await self.request(s, "GET", "/health", timeout=timeout, parse=False)
             return OK
         except RolloutError as e:
-            return GONE if getattr(e, "gone", False) else SLOW
+            return GONE if getattr(e, "gone", False) else SILENT if getattr(e, "timed_out", False) else SLOW
 
     async def check_health(self, timeout: float = 10.0) -> list[bool]:
         """Probes every server; those that answer are healthy (and no longer stalled), but
@@ -252,6 +254,18 @@ class Fleet:
             s.stalled = s.stalled and not s.healthy
         return [f == OK for f in found]
 
+    @staticmethod
+    def mark_stalled(s: Server) -> None:
+        """Out of generation until it answers /health again (``check_health``); its
+        generate attempts in flight are cancelled, and the client retries each elsewhere
+        (``RolloutClient.generate``: a cancelled attempt on a stalled server is retried).
+        Whoever finds the stall (the client's watchdog, a watched control call, the weight
+        push's probe), the requests stuck there move: they waited for the watchdog, which
+        skips a server once it is unhealthy."""
+        s.healthy, s.stalled = False, True
+        for attempt in list(s.attempts):
+            attempt.cancel()
+
     def stalled_servers(self) -> list[str]:
         return [s.address for s in self.servers if s.stalled]
 
@@ -261,9 +275,15 @@ class Fleet:
     async def gone_servers(self) -> list[str]:
         """The stalled servers (a pause would wait on them), the faulty ones (taken out of
         generation for bad answers: they get no weights either) and those a ``/health``
-        probe finds gone (a slow answer or another HTTP error is not)."""
+        probe finds gone or silent for ``stall_probe_s`` (stalled now: an HTTP error
+        answer is not). A server stopped since the rollout last heard from it is found
+        here, before the push: the pause waited on it (``request``'s watch) and then the
+        push was done again, 102 s for a SIGSTOP between two async steps."""
         probed = [s for s in self.servers if not (s.stalled or s.faulty)]
-        found = await asyncio.gather(*[self.probe(s, 30.0) for s in probed])
+        found = await asyncio.gather(*[self.probe(s, self.stall_probe_s) for s in probed])
+        for s, f in zip(probed, found, strict=True):
+            if f == SILENT:
+                self.mark_stalled(s)
         return [*(s.address for s in self.servers if s.stalled or s.faulty),
                 *(s.address for s, f in zip(probed, found, strict=True) if f == GONE)]
 

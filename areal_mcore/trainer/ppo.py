@@ -242,7 +242,8 @@ class PPORun:
         # more work, and the sync skips those the rollout found stalled.
         fleet = self.rollout_side.client.fleet if self.rollout_side is not None else addresses
         self.syncer = weight_syncer(cfg.weight_sync, self.actor, fleet, api_key=api_key,
-                                    backend=cfg.server.backend, root=str(self.run_dir))
+                                    backend=cfg.server.backend, root=str(self.run_dir),
+                                    stall=(cfg.rollout.stall_after_s, cfg.rollout.stall_probe_s))
         self.loop.run(self.syncer.connect())
         self.checkpointer = Checkpointer(CheckpointConfig(root=str(self.files.checkpoints)), group=dist.group.WORLD)
         resumed = self.checkpointer.load(self.actor)

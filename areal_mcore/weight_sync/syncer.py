@@ -77,15 +77,19 @@ async def agree(roles: Roles, stats: SyncStats, what: str, in_thread) -> None:
 class Syncer:
     """The transport-independent part; ``fleet``: the rollout side's (shared: a server
     either finds gone is gone for both), else one of its own on the ranks that talk to
-    the servers, made from ``addresses``."""
+    the servers, made from ``addresses``, its control calls watched for stalls by
+    ``stall`` (rollout.stall_after_s, stall_probe_s)."""
 
     def __init__(self, cfg: WeightSyncConfig, actor, roles: Roles, *, fleet: Fleet | None,
-                 addresses: list[str] | None, api_key: str | None, backend: str):
+                 addresses: list[str] | None, api_key: str | None, backend: str,
+                 stall: tuple[float, float] | None = None):
         self.cfg, self.actor, self.roles, self.g = cfg, actor, roles, actor.groups
         engine = engine_for(backend)
         self._owns_fleet = fleet is None and roles.sender
         if self._owns_fleet:
             fleet = Fleet(addresses, api_key=api_key, dead_engine=engine.dead_engine)
+            if stall is not None:  # as the rollout client sets its own (RolloutClient)
+                fleet.stall_after_s, fleet.stall_probe_s = stall
         self.fleet = fleet if roles.sender else None
         self.updater = engine.updater(self.fleet) if roles.sender else None
         self._device = next(actor.model.module.parameters()).device
