@@ -256,7 +256,7 @@ def test_a_run_goes_on_when_one_of_two_servers_stalls(tiny, tmp_path):
     answered nothing for stall_after_s and /health neither, and the sync drops it."""
     with embedded_servers(tiny.assets["model"], str(tmp_path / "logs"), n=2) as servers:
         overrides = [*_overrides(tiny.assets, f"{servers[0].address},{servers[1].address}", tmp_path),
-                     "trainer.save_freq=0", "rollout.stall_after_s=2", "rollout.stall_probe_s=1"]
+                     "trainer.save_freq=0", "rollout.stall_after_s=2", "rollout.stall_probe_s=3"]
         stats = tmp_path / "resume" / "stats.jsonl"
 
         def stop_after_one_step():
@@ -282,7 +282,7 @@ def test_a_run_goes_on_when_one_of_two_servers_stalls(tiny, tmp_path):
 def test_with_its_only_server_stalled_the_run_checkpoints_and_ends_naming_it(tiny, tmp_path):
     with embedded_servers(tiny.assets["model"], str(tmp_path / "logs"), n=1) as (server,):
         overrides = [*_overrides(tiny.assets, server.address, tmp_path), "trainer.save_freq=0",
-                     "rollout.stall_after_s=2", "rollout.stall_probe_s=1"]
+                     "rollout.stall_after_s=2", "rollout.stall_probe_s=3"]
         stats = tmp_path / "resume" / "stats.jsonl"
 
         def stop_after_one_step():
@@ -408,7 +408,7 @@ def test_the_only_server_stopped_mid_rollout_or_mid_sync_ends_the_run_with_a_che
     with embedded_servers(tiny.assets["model"], str(tmp_path / "logs"), n=1,
                           extra_args=["--sigstop-at", route]) as (server,):
         overrides = [*_overrides(tiny.assets, server.address, tmp_path), "trainer.save_freq=0",
-                     "rollout.stall_after_s=2", "rollout.stall_probe_s=1"]
+                     "rollout.stall_after_s=2", "rollout.stall_probe_s=3"]
         t = time.monotonic()
         try:
             with pytest.raises(AssertionError, match=rf"{server.address}") as e:

@@ -482,7 +482,7 @@ def _stopped_between_pushes_worker(rank, world, addresses, victim_pid):
 
     async def go():
         # The client's watchdog would find the stall only after 60 s: the push must find it.
-        async with RolloutClient(ClientConfig(addresses=addresses, stall_after_s=60, stall_probe_s=1)) as c:
+        async with RolloutClient(ClientConfig(addresses=addresses, stall_after_s=60, stall_probe_s=3)) as c:
             syncer = weight_syncer(cfg, actor, c.fleet)
             await syncer.connect()
             gen = asyncio.gather(*[c.generate(PROMPT, sampling, rid=f"s{i}") for i in range(8)])
