@@ -1,8 +1,8 @@
 """Helper processes that end with the trainer, however it ends.
 
 A trainer killed with SIGKILL (the OOM killer, Slurm after KillWait, ``kill -9``) runs no
-cleanup, and its children are re-parented to init: servers, reward workers and
-megatron's checkpoint-writer manager used to run on, holding GPUs and memory. And the
+cleanup, and its children are re-parented to init: servers and reward workers used to
+run on, holding GPUs and memory. And the
 environment such a helper starts with: the trainer's, less what makes it a torchrun rank.
 """
 

@@ -150,6 +150,43 @@ def test_crash_during_save_keeps_previous_checkpoint_and_latest(tmp_path):
     assert after == ["latest", "step_00000003", "step_00000004"]
 
 
+def _group_sigterm_worker(rank, world, root):
+    """Saves, then gets SIGTERM as scancel, ``scontrol requeue`` and torchrun send it: to
+    every process of its group (this rank leads its own, so pytest is spared), handled as
+    the trainer does (a flag), then saves again: the stop checkpoint."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    os.setpgid(0, 0)
+    got = []
+    signal.signal(signal.SIGTERM, lambda *_: got.append(True))
+    actor = _actor(cap=16)
+    ckpt = _checkpointer(root)
+    ckpt.save(actor, step=1, weight_version=1)
+    helpers = [c.cmdline() for c in psutil.Process().children(recursive=True)]
+    os.killpg(0, signal.SIGTERM)
+    time.sleep(0.5)  # what the signal kills is dead by now
+    try:
+        ckpt.save(actor, step=2, weight_version=2)
+        error = None
+    except (OSError, RuntimeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    return got, helpers, error, (Path(root) / "latest").read_text()
+
+
+def test_a_sigterm_to_the_whole_process_group_leaves_the_stop_checkpoint_working(tmp_path):
+    """megatron's save kept its results queue in a multiprocessing Manager (a spawned
+    process, started by the first save) that ignores SIGINT but not SIGTERM: after a
+    group SIGTERM the next save, the stop checkpoint, failed with BrokenPipeError
+    [Errno 32] and ``latest`` stayed at the save before. Now the queue is in-process."""
+    got, helpers, error, latest = run_gloo(_group_sigterm_worker, 1, str(tmp_path))[0]
+    assert got == [True] and error is None, (error, helpers)
+    assert latest == "step_00000002" and not any("spawn_main" in " ".join(h) for h in helpers), helpers
+
+
 def _corrupt_worker(rank, world, root):
     actor, ckpt, weights = _actor(cap=16), _checkpointer(root), {}
     for step in (1, 2, 3):  # keep_last=2 keeps steps 2 and 3

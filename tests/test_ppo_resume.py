@@ -118,14 +118,15 @@ def test_killed_run_resumes_with_the_same_rewards_and_losses(tmp_path):
         while not (stats.exists() and len(stats.read_text().splitlines()) >= 2):
             assert time.time() < deadline and all(p.exitcode is None for p in procs)
             time.sleep(0.05)
-        # kill -9 of the ranks alone: what they started (reward workers, megatron's
-        # checkpoint-writer manager and the resource tracker) must go with them.
+        # kill -9 of the ranks alone: what they started (reward workers; no checkpoint
+        # helper since the save's results queue is in-process) must go with them.
         family = {c: _cmdline(c) for p in procs for c in psutil.Process(p.pid).children(recursive=True)}
         for p in procs:
             p.kill()
             p.join()
         killed = time.monotonic()
-        assert any("spawn_main" in line for line in family.values()), family
+        assert any("areal_mcore.reward.worker" in line for line in family.values()), family
+        assert not any("spawn_main" in line for line in family.values()), family  # no Manager
         while (alive := [c for c in family if _alive(c)]) and time.monotonic() < killed + 10:
             time.sleep(0.1)
         for c in alive:

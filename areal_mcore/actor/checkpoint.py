@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing.managers
 import os
+import queue
 import random
 import re
 import shutil
 import sys
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,6 @@ from areal_mcore import collectives
 from areal_mcore.actor.megatron_actor import MegatronActor
 from areal_mcore.model import mcore_compat
 from areal_mcore.model.args import ModelArgs, args_mismatch
-from areal_mcore.procs import die_with_parent
 from areal_mcore.run_dir import (
     LATEST,
     checkpoint_name,
@@ -155,7 +153,7 @@ class Checkpointer:
                extra: dict | None, config_snapshot: dict | None) -> dict | None:
         """This rank's files; on rank 0 also the trainer state, and the manifest's fields."""
         rank = dist.get_rank()
-        _writer_manager_dies_with_us()
+        _write_results_in_process()
         dist_checkpointing.save(actor.sharded_state_dict(), str(tmp / "model"))
         _save_file(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
         if rank == 0:
@@ -315,25 +313,23 @@ def _errno(error: BaseException | None) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _writer_manager_dies_with_us() -> None:
-    """megatron's sharded save sends its writer processes' results through a queue served
-    by a multiprocessing Manager it spawns on first use and never stops
-    (``dist_checkpointing/strategies/filesystem_async.py``: ``_get_write_results_queue`` in
-    megatron-core 0.16.1, ``get_write_results_queue`` in 0.19.2, both caching it in the
-    module's ``_results_queue``): a trainer killed with SIGKILL left it running (330 MB
-    a rank, importing the trainer's main module), and with it the resource tracker whose
-    pipe it holds. We start that manager ourselves, the same way but with the parent-death
-    signal set in it, before megatron would. From the main thread only (the signal fires
-    when the starting thread exits); elsewhere, or in a megatron without the global,
-    megatron starts its own as before."""
+def _write_results_in_process() -> None:
+    """megatron's sharded save hands its writer's results to its finalize step through the
+    queue cached in ``filesystem_async._results_queue`` (``_get_write_results_queue`` in
+    megatron-core 0.16.1, ``get_write_results_queue`` in 0.19.2). Left to megatron, that is
+    a multiprocessing Manager's queue: a spawned server process, made for the *async* save,
+    whose writer runs in another process. Ours is synchronous: ``dist_checkpointing.save``
+    runs the writer (its ``put``) and the finalize (``retrieve_write_results``:
+    ``get_nowait``) in this process (``AsyncRequest.execute_sync``), so a plain queue
+    serves, and no helper process is left for a signal to kill. The Manager ignores SIGINT
+    (``multiprocessing/managers.py`` ``BaseManager._run_server``) but not SIGTERM, which
+    scancel, ``scontrol requeue`` (every process of the step) and torchrun (``os.killpg``
+    of each worker's group) deliver: the stop checkpoint then failed with BrokenPipeError
+    (EOFError while the Manager was starting). A new queue per save: a failed save leaves
+    no result behind for the next one."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if threading.current_thread() is not threading.main_thread() or \
-            getattr(filesystem_async, "_results_queue", False) is not None:
-        return
-    manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=die_with_parent)
-    filesystem_async._results_queue = manager.Queue()  # the proxy keeps its manager alive
+    filesystem_async._results_queue = queue.Queue()
 
 
 def _fsync_tree(root: Path) -> None:
