@@ -113,8 +113,7 @@ class ExperimentConfig(InferenceConfig):
         self._check_allocation()
         self._resolve_drift_alarm()
         t = self.trainer
-        recomputed = ("recompute", "metrics")  # the methods that run the proximal forward pass
-        if t is not None and t.max_rollout_logprob_gap is not None and self.ppo.prox_logp_method not in recomputed:
+        if t is not None and t.max_rollout_logprob_gap is not None and not self.ppo.recomputes_prox:
             raise ValueError(
                 f"trainer.max_rollout_logprob_gap={t.max_rollout_logprob_gap} needs "
                 f"ppo.prox_logp_method recompute or metrics (it is {self.ppo.prox_logp_method!r}): the "
@@ -131,7 +130,7 @@ class ExperimentConfig(InferenceConfig):
             return
         if not t.drift_alarm:
             self.trainer = dataclasses.replace(t, max_rollout_logprob_gap=None)
-        elif t.max_rollout_logprob_gap is None and self.ppo.prox_logp_method in ("recompute", "metrics"):
+        elif t.max_rollout_logprob_gap is None and self.ppo.recomputes_prox:
             dtypes = {self.actor.dtype, self.weight_sync.dtype, *([self.server.dtype] if self.server else [])}
             gap = DRIFT_GAP_BY_PRECISION["float32" if dtypes == {"float32"} else "reduced"]
             self.trainer = dataclasses.replace(t, max_rollout_logprob_gap=gap)

@@ -203,10 +203,16 @@ class PPOConfig:
         if self.ref_model_path is not None and not self.kl_coef:
             raise field_error("ref_model_path", self.ref_model_path, "is loaded only with kl_coef > 0; "
                               "set kl_coef or ref_model_path=null")
-        if self.kl_coef and self.kl_in == "reward" and self.prox_logp_method not in ("recompute", "metrics"):
+        if self.kl_coef and self.kl_in == "reward" and not self.recomputes_prox:
             raise field_error("kl_in", "reward", "needs prox_logp_method recompute or metrics (it is "
                               f"{self.prox_logp_method!r}): the reward penalty is the KL of the recomputed "
                               "proximal policy, known before the advantages; or use kl_in=loss")
+
+    @property
+    def recomputes_prox(self) -> bool:
+        """Whether the method runs the proximal forward pass before the update (recompute,
+        metrics): what the drift alarm and the reward-side KL need."""
+        return self.prox_logp_method in ("recompute", "metrics")
 
     @property
     def uses_reference(self) -> bool:

@@ -62,7 +62,7 @@ def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens, nu
     (``kl_in: loss``; with ``kl_in: reward`` the KL is in the advantages and only logged
     here); also counts the batch's empty responses."""
     f, method, extra = mb.fields, ppo.prox_logp_method, {}
-    if method in ("recompute", "metrics"):
+    if ppo.recomputes_prox:
         prox = f["prox"]
     elif method == "loglinear":
         prox = loglinear_proximal_logprobs(f["behave"], logprobs_T, f["versions"], version)
@@ -120,8 +120,8 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             temperature = cfg.rollout.temperature  # score what the servers sampled from
             # A signal before the optimizer's first step abandons the step (run.abandon):
             # the forwards stop between micro-batches where they can (compute_logprobs).
-            forwards = ppo.prox_logp_method in ("recompute", "metrics") or run.ref_model is not None
-            if ppo.prox_logp_method in ("recompute", "metrics"):
+            forwards = ppo.recomputes_prox or run.ref_model is not None
+            if ppo.recomputes_prox:
                 with phase("recompute"):  # π_prox before the update
                     prox = run.actor.compute_logprobs(batch, temperature=temperature, stop=run.signalled)
                 if run.abandon(step, "recompute", prox is None):
