@@ -44,3 +44,16 @@ def tiny_actor(tp=1, pp=1, cap=4096, tie=False, recompute=False, sp="auto", laye
     actor = MegatronActor(cfg, hf_config, total_optimizer_steps=2)
     actor.load_hf_state_dict(state)
     return actor
+
+
+def push_once(syncer, version: int):
+    """A weight syncer's whole life on this rank (every rank of the actor calls it):
+    connect, one push of ``version``, close; the push's ``SyncStats``."""
+    import asyncio
+
+    async def go():
+        await syncer.connect()
+        stats = await syncer.push(version)
+        await syncer.close()
+        return stats
+    return asyncio.run(go())

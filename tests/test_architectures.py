@@ -121,9 +121,7 @@ PROMPT = [3, 14, 15, 92, 65]
 
 
 def _sync_worker(rank, world, address):
-    import asyncio
-
-    from _actor_setup import tiny_actor
+    from _actor_setup import push_once, tiny_actor
     from _rollout import http
 
     from areal_mcore.weight_sync import weight_syncer
@@ -133,12 +131,7 @@ def _sync_worker(rank, world, address):
     cfg = WeightSyncConfig(bucket_mb=0.02, dtype="float32", flatten=True, master_address="127.0.0.1",
                            timeout_s=60, mode="distributed")
     syncer = weight_syncer(cfg, actor, [address])
-
-    async def go():
-        await syncer.connect()
-        await syncer.push(7)
-        await syncer.close()
-    asyncio.run(go())
+    push_once(syncer, 7)
     hf = actor.hf_state_dict()
     box = [None]
     if rank == 0:

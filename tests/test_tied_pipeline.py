@@ -3,11 +3,9 @@ them): PP=2 trains, exports and syncs exactly like PP=1."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
-from _actor_setup import VOCAB, ppo_loss, seqs, tiny_actor, train_fields
+from _actor_setup import VOCAB, ppo_loss, push_once, seqs, tiny_actor, train_fields
 from _dist import run_gloo
 from _rollout import embedded_servers, http
 from _tiny_model import tiny_qwen2
@@ -64,12 +62,7 @@ def _sync_worker(rank, world, address):
     actor = tiny_actor(pp=2, tie=True)
     syncer = weight_syncer(WeightSyncConfig(bucket_mb=0.02, dtype="float32", master_address="127.0.0.1",
                                            timeout_s=60), actor, [address])
-
-    async def go():
-        await syncer.connect()
-        await syncer.push(7)
-        await syncer.close()
-    asyncio.run(go())
+    push_once(syncer, 7)
     return {k: v.clone() for k, v in actor.hf_state_dict().items()}
 
 

@@ -3,11 +3,9 @@ training equals PP=1, and the HF export and weight sync carry the right global l
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
-from _actor_setup import VOCAB, ppo_loss, seqs, tiny_actor, train_fields
+from _actor_setup import VOCAB, ppo_loss, push_once, seqs, tiny_actor, train_fields
 from _dist import run_gloo
 from _rollout import embedded_servers, http
 from _tiny_model import tiny_qwen2
@@ -31,12 +29,7 @@ def _worker(rank, world, pp, first, hf_dir, address):
     if address is not None:
         syncer = weight_syncer(WeightSyncConfig(bucket_mb=0.02, dtype="float32", master_address="127.0.0.1",
                                                timeout_s=60), actor, [address])
-
-        async def go():
-            await syncer.connect()
-            await syncer.push(3)
-            await syncer.close()
-        asyncio.run(go())
+        push_once(syncer, 3)
     return {"loss": out["loss"], "grad_norm": out["grad_norm"], "logp": logp, "layers": n_local,
             "hf": {k: v.clone() for k, v in actor.hf_state_dict().items()}}
 

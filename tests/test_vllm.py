@@ -313,7 +313,7 @@ def _kill_mid_push_worker(rank, world, addresses, victim_pgid, version):
     """A push whose third bucket finds the victim SIGKILLed (a node lost mid-push)."""
     import signal
 
-    from _actor_setup import tiny_actor
+    from _actor_setup import push_once, tiny_actor
 
     from areal_mcore.packing import pack
     from areal_mcore.weight_sync import weight_syncer
@@ -330,13 +330,7 @@ def _kill_mid_push_worker(rank, world, addresses, victim_pgid, version):
             os.killpg(victim_pgid, signal.SIGKILL)
         sent(payload)
     syncer._broadcast = broadcast
-
-    async def go():
-        await syncer.connect()
-        stats = await syncer.push(version)
-        await syncer.close()
-        return stats
-    stats = asyncio.run(go())
+    stats = push_once(syncer, version)
     ids, server_logp = _greedy(addresses[1])
     logp = actor.compute_logprobs(pack([torch.tensor(PROMPT + ids)]))[len(PROMPT):]
     return {"dropped": stats.dropped_servers, "buckets": stats.buckets, "calls": calls[0],

@@ -27,7 +27,7 @@ PROMPT = [3, 14, 15, 92, 65]
 
 
 def _sync_worker(rank, world, tp, pp, addresses, version, bucket_mb, flatten, disk_dir=None):
-    from _actor_setup import tiny_actor
+    from _actor_setup import push_once, tiny_actor
 
     from areal_mcore.packing import pack
     from areal_mcore.weight_sync import weight_syncer
@@ -37,13 +37,7 @@ def _sync_worker(rank, world, tp, pp, addresses, version, bucket_mb, flatten, di
                            master_address="127.0.0.1", timeout_s=60,
                            mode="disk" if disk_dir else "distributed", disk_dir=disk_dir)
     syncer = weight_syncer(cfg, actor, addresses)
-
-    async def go():
-        await syncer.connect()
-        stats = await syncer.push(version)
-        await syncer.close()
-        return stats
-    stats = asyncio.run(go())
+    stats = push_once(syncer, version)
     head = actor.groups.tp_rank == 0 and actor.groups.dp_rank == 0  # of its stage
     plan = syncer.plan() if head and not disk_dir else None
     hf = actor.hf_state_dict()  # collective over TP; the stage head keeps it
