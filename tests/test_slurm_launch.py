@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -118,20 +119,68 @@ def _wait_rows(run_dir, n, job_id, timeout_s=240):
         time.sleep(0.5)
 
 
-def test_sbatch_run_requeued_mid_run_resumes_and_completes(assets, tmp_path):
-    steps_total = 6
-    job = _sbatch(_overrides(assets, tmp_path, "requeue", steps_total), tmp_path)
+def _same_steps(rows, reference):
+    """Every row equals the uninterrupted run's row of its step, bitwise."""
+    by_step = {r["step"]: r for r in reference}
+    for row in rows:
+        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm"):
+            assert row[key] == by_step[row["step"]][key], (row["step"], key)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets, tmp_path_factory):
+    """A 6-step run launched through submitit, uninterrupted: the rows the requeued run
+    must reproduce, and the submitit path's own result."""
+    from areal_mcore.launcher.submit import SubmitConfig, submit
+
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    overrides = _overrides(assets, tmp_path, "submitit", 6) + [*_NONZERO, "launch.allocation=embedded:d1+megatron:d1",
+                                                               "launch.gpus_per_node=1"]
+    cwd = os.getcwd()
+    os.chdir(REPO)  # the job runs where it was submitted from
+    try:
+        (job,) = submit(SubmitConfig(config="configs/tiny_cpu.yaml", overrides=overrides, nodes=2,
+                                     gpus_per_node=0, time="10:00", folder=str(tmp_path / "jobs")))
+    finally:
+        os.chdir(cwd)
+    result = job.result()  # blocks until the job ends
+    return SimpleNamespace(job=job, result=result, folder=tmp_path / "jobs",
+                           rows=_rows(tmp_path / "submitit"))
+
+
+# Advantages of -5 on every token (no normalisation: the tiny model's rewards are all 0), so
+# every loss and grad norm depends on the exact weights; rollouts of ~1 s (0.15 s a decode
+# step), so a signal sent once step 4 is logged lands in step 5.
+_NONZERO = ["ppo.reward_norm=null", "ppo.adv_norm=null", "server.extra_args=[--step-delay-s,0.15]"]
+
+
+def _stopped_at(log: str) -> int:
+    """The step the trainer's stop checkpoint holds (its log: "... checkpointing step k")."""
+    return int(log.rsplit("checkpointing step ", 1)[1].split()[0])
+
+
+def test_sbatch_run_requeued_mid_run_resumes_from_its_last_step_bitwise(assets, uninterrupted, tmp_path):
+    """``scontrol requeue`` signals every process of every step (SIGTERM), not the
+    trainer alone. With an earlier checkpoint on disk (step 3: save_freq=3), that signal
+    also killed megatron's save helper (a spawned multiprocessing Manager), so the stop
+    checkpoint of the last finished step failed (BrokenPipeError) and the next try went
+    back to step 3. Now the next try resumes from the last finished step, and its rows
+    are the uninterrupted run's, bitwise."""
+    job = _sbatch([*_overrides(assets, tmp_path, "requeue", 6), *_NONZERO, "trainer.save_freq=3"], tmp_path)
     run_dir = tmp_path / "requeue"
-    _wait_rows(run_dir, 2, job)
+    _wait_rows(run_dir, 4, job)
     run("scontrol", "requeue", job)
     assert wait(job, 400) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
     status = _status(run_dir)
-    assert status["state"] == "COMPLETED" and status["restarts"] == 1 and status["step"] == steps_total
-    assert [r["step"] for r in _rows(run_dir)] == list(range(1, steps_total + 1))
-    # The second try resumed from a checkpoint of the first (not from step 0).
+    assert status["state"] == "COMPLETED" and status["restarts"] == 1 and status["step"] == 6
+    first = (run_dir / "slurm" / f"job{job}_try0" / "trainer.log").read_text()
+    stopped_at = _stopped_at(first)
+    assert stopped_at >= 4 and "Error" not in first.split("checkpointing step ", 1)[1], first[-3000:]
     log = (run_dir / "slurm" / f"job{job}_try1" / "trainer.log").read_text()
-    resumed_at = int(log.split("at step ")[1].split()[0])
-    assert resumed_at >= 1, log[-2000:]
+    assert f"step_{stopped_at:08d} at step {stopped_at}" in log, log[-2000:]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all(min(r["train/grad_norm"]) > 0 for r in rows)
+    _same_steps(rows, uninterrupted.rows)
     # Rollout server on the first node, trainer on the second (accounting's last try).
     st = steps(job)
     assert st["rollout0"][1] == "node1" and st["trainer"] == ("COMPLETED", "node2"), st
@@ -256,10 +305,15 @@ def _marked(mark: str) -> list[int]:
     return pids
 
 
-def test_scancel_stops_every_step_and_leaves_no_process(assets, tmp_path):
+def test_scancel_checkpoints_the_last_step_stops_every_step_and_leaves_no_process(assets, tmp_path):
+    """``scancel`` (SIGTERM to every process of every step) with a checkpoint of step 2 on
+    disk: the stop checkpoint of the last finished step is written (it failed with
+    BrokenPipeError, leaving ``latest`` at step 2), and nothing is left running."""
     mark = uuid.uuid4().hex
-    job = _sbatch(_overrides(assets, tmp_path, "cancel", 50), tmp_path, mark=mark)
-    _wait_rows(tmp_path / "cancel", 1, job)
+    run_dir = tmp_path / "cancel"
+    job = _sbatch([*_overrides(assets, tmp_path, "cancel", 50), *_NONZERO, "trainer.save_freq=2"], tmp_path,
+                 mark=mark)
+    _wait_rows(run_dir, 3, job)
     assert len(_marked(mark)) >= 4  # launcher, server, torchrun agent, trainer rank, ...
     run("scancel", job)
     assert wait(job, 120) == "CANCELLED"
@@ -269,28 +323,21 @@ def test_scancel_stops_every_step_and_leaves_no_process(assets, tmp_path):
         time.sleep(0.5)
     assert all(s in ("CANCELLED", "COMPLETED", "FAILED") for s, _ in steps(job).values()), steps(job)
     # Ended by the cancel, not failed, and not requeued (see test_launcher_requeue.py).
-    assert _status(tmp_path / "cancel")["state"] == "TERMINATED" and state(job) == "CANCELLED"
+    assert _status(run_dir)["state"] == "TERMINATED" and state(job) == "CANCELLED"
+    log = (run_dir / "slurm" / f"job{job}_try0" / "trainer.log").read_text()
+    stopped_at = _stopped_at(log)
+    assert stopped_at >= 3 and stopped_at == len(_rows(run_dir)), log[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:08d}", log[-3000:]
 
 
-def test_submitit_launch_completes_and_returns_the_final_stats(assets, tmp_path):
-    from areal_mcore.launcher.submit import SubmitConfig, submit
-
-    overrides = _overrides(assets, tmp_path, "submitit", 3) + [
-        "launch.allocation=embedded:d1+megatron:d1", "launch.gpus_per_node=1"]
-    cwd = os.getcwd()
-    os.chdir(REPO)  # the job runs where it was submitted from
-    try:
-        (job,) = submit(SubmitConfig(config="configs/tiny_cpu.yaml", overrides=overrides, nodes=2,
-                                     gpus_per_node=0, time="10:00", folder=str(tmp_path / "submitit")))
-    finally:
-        os.chdir(cwd)
-    result = job.result()  # blocks until the job ends
+def test_submitit_launch_completes_and_returns_the_final_stats(uninterrupted):
+    result, job = uninterrupted.result, uninterrupted.job
     assert result["status"]["state"] == "COMPLETED"
-    assert result["last_step"]["step"] == 3 and result["last_step"]["sync/server_versions"] == ["3"]
+    assert result["last_step"]["step"] == 6 and result["last_step"]["sync/server_versions"] == ["6"]
     assert wait(job.job_id, 60) == "COMPLETED"
     # Whole nodes with all their memory, as the sbatch headers ask (submitit writes only
     # the options it is given).
-    script = (tmp_path / "submitit" / f"{job.job_id}_submission.sh").read_text()
+    script = (uninterrupted.folder / f"{job.job_id}_submission.sh").read_text()
     assert "#SBATCH --exclusive" in script and "#SBATCH --mem=0" in script, script
 
 
