@@ -153,9 +153,12 @@ def test_crash_during_save_keeps_previous_checkpoint_and_latest(tmp_path):
 def _group_sigterm_worker(rank, world, root):
     """Saves, then gets SIGTERM as scancel, ``scontrol requeue`` and torchrun send it: to
     every process of its group (this rank leads its own, so pytest is spared), handled as
-    the trainer does (a flag), then saves again: the stop checkpoint."""
+    the trainer does (a flag), then saves again, the stop checkpoint, while two more group
+    SIGTERMs arrive (a second scancel; Slurm's signal to the step after the batch
+    shell's)."""
     import os
     import signal
+    import threading
     import time
 
     import psutil
@@ -169,8 +172,17 @@ def _group_sigterm_worker(rank, world, root):
     helpers = [c.cmdline() for c in psutil.Process().children(recursive=True)]
     os.killpg(0, signal.SIGTERM)
     time.sleep(0.5)  # what the signal kills is dead by now
+
+    def twice():
+        for _ in range(2):
+            time.sleep(0.02)
+            os.killpg(0, signal.SIGTERM)
+
+    mid_save = threading.Thread(target=twice)
+    mid_save.start()
     try:
         ckpt.save(actor, step=2, weight_version=2)
+        mid_save.join()
         error = None
     except (OSError, RuntimeError) as e:
         error = f"{type(e).__name__}: {e}"
@@ -183,7 +195,7 @@ def test_a_sigterm_to_the_whole_process_group_leaves_the_stop_checkpoint_working
     group SIGTERM the next save, the stop checkpoint, failed with BrokenPipeError
     [Errno 32] and ``latest`` stayed at the save before. Now the queue is in-process."""
     got, helpers, error, latest = run_gloo(_group_sigterm_worker, 1, str(tmp_path))[0]
-    assert got == [True] and error is None, (error, helpers)
+    assert got == [True] * 3 and error is None, (error, helpers)
     assert latest == "step_00000002" and not any("spawn_main" in " ".join(h) for h in helpers), helpers
 
 
