@@ -34,7 +34,10 @@ def add_convert_parsers(sub) -> None:
     out.add_argument("--output", required=True, help="HF folder to write")
     out.add_argument("--hf-config", help="HF folder whose config.json must match the checkpoint "
                                          "(default: the config stored in the checkpoint)")
-    out.add_argument("--tokenizer", help="folder to copy tokenizer files from (default: --hf-config)")
+    out.add_argument("--tokenizer", help="folder to copy tokenizer files from (default: the first of --hf-config, "
+                                         "the run's tokenizer_path / model_path and the imported HF folder "
+                                         "that holds one; none found is refused)")
+    out.add_argument("--no-tokenizer", action="store_true", help="export the weights without a tokenizer")
     out.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast weights (default: as stored)")
     out.add_argument("--max-shard-size", type=parse_size, default=parse_size("2GB"),
                      help="largest safetensors shard, e.g. 2GB (default), 500MB")
@@ -54,6 +57,9 @@ def add_convert_parsers(sub) -> None:
     inp.add_argument("--ep", type=int, default=1,
                      help="expert-parallel size of the run (MoE models; the run's actor.parallel.ep)")
     inp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    inp.add_argument("--vocab-divisible-by", type=int, default=128,
+                     help="pad the vocabulary to a multiple of this x TP: the run's actor.vocab_divisible_by "
+                          "(default 128, the actor's default; configs/tiny_cpu.yaml uses 8)")
 
 
 def run_convert(a) -> int:
@@ -72,13 +78,16 @@ def run_convert(a) -> int:
     if a.direction == "mcore-to-hf":
         index = mcore_to_hf(a.input, a.output, hf_config_dir=a.hf_config, tokenizer_dir=a.tokenizer,
                             dtype=a.dtype, max_shard_bytes=a.max_shard_size, verify=a.verify,
-                            progress=not a.no_progress)
+                            progress=not a.no_progress, require_tokenizer=not a.no_tokenizer)
         files = len(set(index["weight_map"].values()))
         print(f"wrote {len(index['weight_map'])} tensors in {files} shard(s) to {a.output}"
               + (" (verified)" if a.verify else ""))
     else:
-        path = hf_to_mcore(a.input, a.output, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype)
-        print(f"wrote {path} (tp={a.tp}, pp={a.pp}, ep={a.ep})")
+        path = hf_to_mcore(a.input, a.output, tp=a.tp, pp=a.pp, ep=a.ep, dtype=a.dtype,
+                           vocab_divisible_by=a.vocab_divisible_by)
+        print(f"wrote {path} (tp={a.tp}, pp={a.pp}, ep={a.ep}, vocab_divisible_by={a.vocab_divisible_by}): "
+              f"start a run from it with actor.parallel.tp={a.tp} actor.parallel.pp={a.pp} "
+              f"actor.parallel.ep={a.ep} actor.vocab_divisible_by={a.vocab_divisible_by}")
     return 0
 
 

@@ -199,6 +199,32 @@ def test_a_sigterm_to_the_whole_process_group_leaves_the_stop_checkpoint_working
     assert latest == "step_00000002" and not any("spawn_main" in " ".join(h) for h in helpers), helpers
 
 
+def _weights_only_worker(rank, world, root):
+    """A weights-only checkpoint (``convert hf-to-mcore``'s) of trained weights, whose
+    optimizer ran at another learning rate, loaded into a fresh actor: it trains as an
+    actor built from those weights does, at its own learning rate."""
+    trained = _actor(cap=16)
+    trained.train_batch(_batch(0, 0, 1), _ppo_loss, 2)
+    for group in trained.optimizer.param_groups:
+        group["lr"] = 1e-5  # the converter's optimizer
+    _checkpointer(root).save(trained, step=0, weight_version=0, weights_only=True)
+    weights = trained.hf_state_dict()
+    loaded, built = _actor(cap=16), _actor(cap=16)
+    state = _checkpointer(root).load(loaded)
+    built.load_hf_state_dict(weights)
+    lrs = [g["lr"] for g in loaded.optimizer.param_groups]
+    same = all(torch.equal(loaded.hf_state_dict()[k], v) for k, v in weights.items())
+    losses = [a.train_batch(_batch(1, 0, 1), _ppo_loss, 2)["loss"] for a in (loaded, built)]
+    return state.weights_only, state.extra, lrs, same, losses
+
+
+def test_a_weights_only_checkpoint_loads_the_weights_and_keeps_the_runs_optimizer(tmp_path):
+    weights_only, extra, lrs, same, (loaded, built) = run_gloo(_weights_only_worker, 1, str(tmp_path))[0]
+    assert weights_only and extra == {} and same
+    assert set(lrs) == {1e-3}  # not the converter's 1e-5
+    assert loaded == built
+
+
 def _corrupt_worker(rank, world, root):
     actor, ckpt, weights = _actor(cap=16), _checkpointer(root), {}
     for step in (1, 2, 3):  # keep_last=2 keeps steps 2 and 3
@@ -263,6 +289,21 @@ def test_another_expert_parallel_size_is_rejected_naming_the_key():
         _check_compatible(manifest, _fake_actor(), Path("ck"))
     del manifest["layout"]["ep"]  # a checkpoint from before expert parallelism
     _check_compatible(manifest, _fake_actor(), Path("ck"))
+
+
+def test_another_vocabulary_padding_is_refused_naming_the_key_and_the_converter_flag():
+    """megatron's load failed with "Global shape mismatch" on the optimizer's embedding
+    state (a `convert hf-to-mcore` at its default padding of 128, a run at 8)."""
+    from areal_mcore.actor.checkpoint import _check_compatible
+
+    manifest, actor = _manifest(_fake_actor()), _fake_actor()
+    actor.padded_vocab, actor.cfg = 256, SimpleNamespace(vocab_divisible_by=8)
+    manifest["padded_vocab"] = 256
+    _check_compatible(manifest, actor, Path("ck"))
+    manifest["padded_vocab"] = 384
+    with pytest.raises(ValueError, match=r"pads the vocabulary \(250\) to 384 rows; this run pads it to 256 "
+                                         r"\(actor.vocab_divisible_by=8 x tp=1\).*--vocab-divisible-by 8"):
+        _check_compatible(manifest, actor, Path("ck"))
 
 
 def test_model_mismatch_lists_every_differing_field():

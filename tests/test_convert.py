@@ -18,8 +18,9 @@ from areal_mcore.model.adapter import WeightMismatchError
 ROOT = Path(__file__).parents[1]
 
 
-def _cli(*args, check=True):
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "areal_mcore.cli", "convert", *args],
+def _cli(*args, check=True, quiet=True):
+    proc = subprocess.run([sys.executable, *(["-W", "ignore"] if quiet else []), "-m", "areal_mcore.cli", "convert",
+                           *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     if check and proc.returncode:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
@@ -43,7 +44,11 @@ def hf_folder(tmp_path_factory):
 
 def _import_export(hf, tmp, tp, pp, *extra):
     ckpt, out = tmp / f"ckpt_tp{tp}pp{pp}", tmp / f"hf_tp{tp}pp{pp}"
-    _cli("hf-to-mcore", "--input", str(hf), "--output", str(ckpt), "--tp", str(tp), "--pp", str(pp))
+    # As a user runs it (Python's default warning filters): no screen of megatron-core's
+    # start-up warnings from the spawned ranks (14 of them), only our one-line summary.
+    proc = _cli("hf-to-mcore", "--input", str(hf), "--output", str(ckpt), "--tp", str(tp), "--pp", str(pp),
+                quiet=False)
+    assert "Warning" not in proc.stderr, proc.stderr
     _cli("mcore-to-hf", "--input", str(ckpt), "--output", str(out), "--no-progress", *extra)
     return ckpt, out
 
@@ -101,6 +106,16 @@ def test_config_mismatch_lists_every_field_and_writes_nothing(hf_folder, tmp_pat
     for field in ("hidden_size: checkpoint 64 vs HF config 128", "num_kv_heads: checkpoint 2 vs HF config 4",
                   "rope_theta: checkpoint 10000.0 vs HF config 1000000.0"):
         assert field in proc.stderr
+    assert not (tmp_path / "out").exists()
+    # An export no tokenizer is found for (the imported folder lost its tokenizer) is
+    # refused before writing, naming the flags; it wrote a folder AutoTokenizer read as empty.
+    manifest = json.loads((ckpt / "step_00000000" / "manifest.json").read_text())
+    assert manifest["config"] == {"imported_from": str(hf)} and manifest["weights_only"]
+    manifest["config"]["imported_from"] = str(other)
+    (ckpt / "step_00000000" / "manifest.json").write_text(json.dumps(manifest))
+    proc = _cli("mcore-to-hf", "--input", str(ckpt), "--output", str(tmp_path / "out"), check=False)
+    assert proc.returncode == 2 and "Pass --tokenizer DIR" in proc.stderr and "--no-tokenizer" in proc.stderr, \
+        proc.stderr
     assert not (tmp_path / "out").exists()
     # A checkpoint holding tensors the model args do not explain is refused, listing them.
     from areal_mcore.convert.mcore_reader import McoreCheckpointReader

@@ -294,8 +294,11 @@ reward:
     rc = main(["eval", "--config", str(config), "--data", f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}",
                "--model-kind", "sft", "--n-samples", "4", "--k", "1,2,4", "--max-new-tokens", "8",
                "--out", str(out), "server.startup_timeout_s=120"])
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert rc == 0
+    # A bar per dataset while it samples (it was silent for the whole sampling), on stderr.
+    assert "a: 100%" in captured.err and " 2/2 " in captured.err and "b: 100%" in captured.err, captured.err
     report = json.loads(out.read_text())
     assert (report["temperature"], report["top_p"], report["n_samples"]) == (0.6, 0.95, 4)
     # The training prompts: the tiny rows carry their own \boxed instruction, so none is added.

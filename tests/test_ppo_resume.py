@@ -32,6 +32,13 @@ def _ppo_worker(rank, world, overrides):
     return train(load_config(None, overrides))
 
 
+def _ppo_worker_printing_to(rank, world, overrides, path):
+    """``_ppo_worker`` with its console in ``path`` (the forkserver's ranks print to the
+    descriptors it started with, which no capture fixture sees)."""
+    with open(f"{path}.{rank}", "w") as out, contextlib.redirect_stdout(out):
+        return _ppo_worker(rank, world, overrides)
+
+
 def _overrides(assets, address, log_dir):
     return [
         "experiment_name=resume", f"model_path={assets['model']}",
@@ -489,3 +496,43 @@ def test_sigterm_during_the_recompute_abandons_the_step_within_a_micro_batch_and
     (rows,) = run_gloo(_ppo_worker, 1, overrides)
     assert [r["step"] for r in rows] == [2, 3, 4] and not (tmp_path / "resume" / "STOPPED").exists()
     assert [r["step"] for r in _rows(stats)] == [1, 2, 3, 4]
+
+
+def test_a_run_starts_from_a_converted_tp2_checkpoint_and_exports_with_its_tokenizer(tiny, tmp_path):
+    """docs/checkpoints.md's flow: ``convert hf-to-mcore`` at TP=2 with the run's
+    vocabulary padding -> 3 PPO steps at TP=2 -> ``mcore-to-hf`` with no flags. The
+    converter had no padding flag (it padded to 128: the run failed on the embedding's
+    shape); with the padding matched, the run failed on the trainer state a converted
+    checkpoint does not hold (KeyError 'sampler'); the export had no tokenizer."""
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from areal_mcore.convert.tools import load_hf_state_dict, mcore_to_hf
+
+    model, root = tiny.assets["model"], tmp_path / "resume" / "checkpoints"
+    subprocess.run([sys.executable, "-W", "ignore", "-m", "areal_mcore.cli", "convert", "hf-to-mcore",
+                    "--input", model, "--output", str(root), "--tp", "2", "--vocab-divisible-by", "8"],
+                   check=True, capture_output=True, timeout=300)
+    overrides = [*_overrides(tiny.assets, tiny.server.address, tmp_path), "trainer.total_steps=3",
+                 "trainer.save_freq=3", "actor.parallel.tp=2"]
+    rows = run_gloo(_ppo_worker_printing_to, 2, overrides, str(tmp_path / "console"))[0]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    said = "holds no trainer state, so the prompt order, rollout state, learning-rate schedule and W&B run"
+    assert said in (tmp_path / "console.0").read_text()
+    # The converted weights are the HF model's: step 1 samples as the TP=1 run from the HF
+    # folder did, and its first minibatch's gradient has that run's norm (TP=2 sums in
+    # another order; after an Adam step, whose first update is about lr x sign(grad) for
+    # every weight, the runs part by more than rounding).
+    ref = tiny.reference[0]
+    for key in ("rollout/reward_mean", "rollout/response_len_mean"):
+        assert rows[0][key] == ref[key], key
+    assert rows[0]["train/grad_norm"][0] == pytest.approx(ref["train/grad_norm"][0], rel=1e-5)
+    # The export of the run's checkpoint, with no flags, carries the run's tokenizer and the
+    # weights the run's own end-of-run export holds.
+    mcore_to_hf(root, tmp_path / "hf", progress=False, require_tokenizer=True)
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "hf")) == len(AutoTokenizer.from_pretrained(model)) > 1
+    exported, own = load_hf_state_dict(tmp_path / "hf"), load_hf_state_dict(tmp_path / "resume" / "hf" / "step_3")
+    assert set(exported) == set(own) and all(torch.equal(exported[k], own[k]) for k in own)

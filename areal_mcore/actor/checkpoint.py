@@ -75,6 +75,8 @@ class ResumeState:
     step: int
     weight_version: int
     extra: dict
+    # Weights alone (``convert hf-to-mcore``): no trainer state, scheduler or RNG was restored.
+    weights_only: bool = False
 
 
 class Checkpointer:
@@ -91,8 +93,10 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
 
     def save(self, actor: MegatronActor, *, step: int, weight_version: int, extra: dict | None = None,
-             config_snapshot: dict | None = None) -> Path:
-        """Writes checkpoint ``step``; returns its folder once it is complete everywhere."""
+             config_snapshot: dict | None = None, weights_only: bool = False) -> Path:
+        """Writes checkpoint ``step``; returns its folder once it is complete everywhere.
+        ``weights_only``: a starting point (an imported model), whose learning-rate
+        schedule and RNG a run that loads it must not take over."""
         rank = dist.get_rank()
         name = checkpoint_name(step)
         tmp = self.root / f".{name}.tmp"
@@ -105,6 +109,8 @@ class Checkpointer:
         manifest = self._agree(lambda: self._write(actor, tmp, step=step, weight_version=weight_version,
                                                    extra=extra, config_snapshot=config_snapshot),
                                tmp, step)
+        if manifest is not None:
+            manifest["weights_only"] = weights_only
         # Every rank wrote its part (the gather in _agree is the barrier): each hashes its
         # share of the files, rank 0 records them all in the manifest, written last.
         hashes = self._agree(lambda: hash_files(tmp, rank, dist.get_world_size(self.group)), tmp, step)
@@ -168,6 +174,7 @@ class Checkpointer:
                 "versions": {"torch": torch.__version__,
                              "megatron_core": mcore_compat.MCORE_VERSION_STR},
                 "model_args": dataclasses.asdict(actor.args),
+                "padded_vocab": actor.padded_vocab,
                 "hf_config": actor.hf_config.to_dict(),
                 "config": config_snapshot or {},
             }
@@ -224,9 +231,14 @@ class Checkpointer:
     def _load(self, actor: MegatronActor, path: Path) -> ResumeState:
         manifest = json.loads((path / "manifest.json").read_text())
         _check_compatible(manifest, actor, path)
-        state = dist_checkpointing.load(actor.sharded_state_dict(for_loading=True), str(path / "model"))
-        actor.load_sharded_state(state)
+        weights_only = bool(manifest.get("weights_only"))  # not the converter's optimizer, schedule, RNG
+        sharded = actor.sharded_state_dict(for_loading=True, weights_only=weights_only)
+        actor.load_sharded_state(dist_checkpointing.load(sharded, str(path / "model")), weights_only)
         trainer = torch.load(path / "trainer_state.pt", weights_only=False)
+        if weights_only:
+            collectives.barrier(self.group)
+            return ResumeState(path=path, step=trainer["step"], weight_version=trainer["weight_version"],
+                               extra={}, weights_only=True)
         actor.scheduler.load_state_dict(trainer["scheduler"])
         rng = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
         if manifest["layout"]["world"] == dist.get_world_size(self.group) and rng.exists():
@@ -262,6 +274,16 @@ def _check_compatible(manifest: dict, actor: MegatronActor, path: Path) -> None:
     diff = args_mismatch(ModelArgs(**manifest["model_args"]), actor.args, "checkpoint", "model")
     if diff:
         raise ValueError(f"{path}: the model does not match the checkpoint ({diff})")
+    # The embedding, LM head and their optimizer state are saved at the padded shape, which
+    # megatron's load refuses to reshape ("Global shape mismatch"): name the key instead.
+    padded = manifest.get("padded_vocab")  # checkpoints from before it was recorded: unchecked
+    if padded is not None and padded != actor.padded_vocab:
+        raise ValueError(
+            f"{path} pads the vocabulary ({actor.args.vocab_size}) to {padded} rows; this run pads it to "
+            f"{actor.padded_vocab} (actor.vocab_divisible_by={actor.cfg.vocab_divisible_by} x tp={g.tp_size}): "
+            f"set actor.vocab_divisible_by to the checkpoint's (for `convert hf-to-mcore`, its "
+            f"--vocab-divisible-by), or convert again with --vocab-divisible-by "
+            f"{actor.cfg.vocab_divisible_by}")
 
 
 # --------------------------------------------------------------------------- RNG

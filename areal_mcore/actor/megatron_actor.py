@@ -225,19 +225,26 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ checkpoint state
 
-    def sharded_state_dict(self, for_loading: bool = False) -> dict:
-        """Model + optimizer state for ``megatron.core.dist_checkpointing`` (DP-reshardable)."""
-        self._fill_empty_optimizer_state()
+    def sharded_state_dict(self, for_loading: bool = False, weights_only: bool = False) -> dict:
+        """Model + optimizer state for ``megatron.core.dist_checkpointing`` (DP-reshardable);
+        ``weights_only``: the model's alone, the optimizer left untouched."""
         model = self.model.module.sharded_state_dict()
+        if weights_only:
+            return {"model": model}
+        self._fill_empty_optimizer_state()
         optimizer = self.optimizer.sharded_state_dict(
             model, is_loading=for_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
         )
         return {"model": model, "optimizer": optimizer}
 
     @torch.no_grad()
-    def load_sharded_state(self, state: dict) -> None:
-        """Loads what ``dist_checkpointing.load(self.sharded_state_dict(True), dir)`` returned."""
+    def load_sharded_state(self, state: dict, weights_only: bool = False) -> None:
+        """Loads what ``dist_checkpointing.load(self.sharded_state_dict(True), dir)`` returned;
+        ``weights_only``: the model's part alone, the optimizer as built."""
         self.model.module.load_state_dict(state["model"])
+        if weights_only:
+            self.optimizer.reload_model_params()  # the fp32 main copies follow the new weights
+            return
         self.optimizer.load_state_dict(state["optimizer"])
         # The distributed optimizer restores one shared step per param group, but torch's
         # Adam (the fallback without apex/TE) counts steps per parameter: copy it back.

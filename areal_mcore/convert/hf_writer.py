@@ -12,6 +12,12 @@ import torch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                    "chat_template.jinja")
+# A folder holds a tokenizer if it has one of these (fast, sentencepiece, BPE vocab).
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_MARKERS)
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",

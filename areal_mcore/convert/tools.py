@@ -15,7 +15,12 @@ from pathlib import Path
 import torch
 
 from areal_mcore.convert.hf_files import hf_tensor_names, load_hf_state_dict
-from areal_mcore.convert.hf_writer import ShardedSafetensorsWriter, write_model_files
+from areal_mcore.convert.hf_writer import (
+    TOKENIZER_MARKERS,
+    ShardedSafetensorsWriter,
+    has_tokenizer,
+    write_model_files,
+)
 from areal_mcore.convert.mcore_reader import McoreCheckpointReader
 from areal_mcore.model import adapter
 from areal_mcore.model.args import ModelArgs, args_mismatch, check_expert_parallel
@@ -38,7 +43,8 @@ def _load_hf_config(path: str | Path):
 
 def mcore_to_hf(input: str | Path, output: str | Path, *, hf_config_dir: str | Path | None = None,
                 tokenizer_dir: str | Path | None = None, dtype: str | None = None,
-                max_shard_bytes: int = 2 << 30, verify: bool = False, progress: bool = True) -> dict:
+                max_shard_bytes: int = 2 << 30, verify: bool = False, progress: bool = True,
+                require_tokenizer: bool = False) -> dict:
     """Exports a checkpoint folder (or a root with ``latest``) as an HF model folder.
 
     Args:
@@ -46,7 +52,10 @@ def mcore_to_hf(input: str | Path, output: str | Path, *, hf_config_dir: str | P
             original base model, say); every differing field is reported before writing.
             Default: the HF config stored in the checkpoint.
         tokenizer_dir: where to copy tokenizer files and generation_config.json from
-            (default: ``hf_config_dir``).
+            (default: the first of ``hf_config_dir`` and the models the checkpoint's
+            run or import started from that holds a tokenizer: ``tokenizer_source``).
+        require_tokenizer: refuse, before writing, an export no tokenizer is found for
+            (the CLI does, unless ``--no-tokenizer``).
         dtype: "bfloat16"/"float16"/"float32" to cast to; default: as stored.
         verify: reload the folder with transformers and compare logits with megatron's.
 
@@ -62,6 +71,12 @@ def mcore_to_hf(input: str | Path, output: str | Path, *, hf_config_dir: str | P
     if diff:
         raise ValueError(f"HF config does not match {reader.path} ({diff}); nothing was written")
     reader.check_keys()
+    tokenizer_dir = tokenizer_source(reader, tokenizer_dir, hf_config_dir)
+    if tokenizer_dir is None and require_tokenizer:
+        raise ValueError(f"no tokenizer for the export of {reader.path}: neither --hf-config nor the models "
+                         f"its manifest names ({', '.join(_snapshot_models(reader)) or 'none'}) hold one "
+                         f"({' / '.join(TOKENIZER_MARKERS)}). Pass --tokenizer DIR (the model the run "
+                         "started from), or --no-tokenizer to export the weights alone; nothing was written")
     out = Path(output)
     writer = ShardedSafetensorsWriter(out, max_shard_bytes, getattr(torch, dtype) if dtype else None)
     L = reader.args.num_layers
@@ -79,10 +94,29 @@ def mcore_to_hf(input: str | Path, output: str | Path, *, hf_config_dir: str | P
             writer.flush()
     adapter.check_hf_names(written, reader.args, f"export of {reader.path}")
     index = writer.close()
-    write_model_files(out, hf_config, tokenizer_dir or hf_config_dir)
+    write_model_files(out, hf_config, tokenizer_dir)
     if verify:
         verify_hf_folder(out, reader)
     return index
+
+
+def _snapshot_models(reader: McoreCheckpointReader) -> list[str]:
+    """The model folders a checkpoint's manifest names: the run's tokenizer_path and
+    model_path (its resolved config), or the HF folder ``hf-to-mcore`` imported."""
+    snapshot = reader.manifest.get("config") or {}
+    return [snapshot[k] for k in ("tokenizer_path", "model_path", "imported_from") if snapshot.get(k)]
+
+
+def tokenizer_source(reader: McoreCheckpointReader, tokenizer_dir: str | Path | None,
+                     hf_config_dir: str | Path | None) -> Path | None:
+    """Where the export's tokenizer comes from: ``tokenizer_dir`` if given (it must hold
+    one), else the first of ``hf_config_dir`` and the manifest's models that holds one."""
+    if tokenizer_dir is not None:
+        if not has_tokenizer(tokenizer_dir):
+            raise ValueError(f"--tokenizer={tokenizer_dir}: no tokenizer there ({' / '.join(TOKENIZER_MARKERS)})")
+        return Path(tokenizer_dir)
+    candidates = [hf_config_dir, *_snapshot_models(reader)]
+    return next((Path(c) for c in candidates if c is not None and has_tokenizer(c)), None)
 
 
 def _progress(iterable, total: int, unit: str, enabled: bool):
@@ -154,9 +188,11 @@ def _megatron_logits(reader: McoreCheckpointReader, tokens: torch.Tensor) -> tor
 
 
 def hf_to_mcore(input: str | Path, output: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                dtype: str = "float32") -> Path:
+                dtype: str = "float32", vocab_divisible_by: int = 128) -> Path:
     """Writes a step-0 training checkpoint of the HF model at TP x PP x EP (tp*pp*ep CPU
-    ranks: EP is carved out of data parallelism, so its ranks are the data-parallel ones)."""
+    ranks: EP is carved out of data parallelism, so its ranks are the data-parallel ones),
+    its vocabulary padded as the run's ``actor.vocab_divisible_by`` pads it (the padded
+    embedding and its optimizer state are saved at that shape)."""
     import torch.multiprocessing as mp
 
     # Fail early, in this process, on a bad folder: config, EP split, then every weight name.
@@ -166,14 +202,18 @@ def hf_to_mcore(input: str | Path, output: str | Path, *, tp: int = 1, pp: int =
     adapter.check_hf_names(names, args, str(input))
     port = free_port()
     world = tp * pp * ep
-    mp.start_processes(_hf_to_mcore_rank, args=(world, port, str(input), str(output), tp, pp, ep, dtype),
+    mp.start_processes(_hf_to_mcore_rank, args=(world, port, str(input), str(output), tp, pp, ep, dtype,
+                                                vocab_divisible_by),
                        nprocs=world, start_method="spawn")
     return latest_checkpoint(output)
 
 
-def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, ep, dtype):
+def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, ep, dtype, vocab_divisible_by):
     import torch.distributed as dist
 
+    from areal_mcore.accel import quiet_known_warnings
+
+    quiet_known_warnings()  # before megatron-core is imported: a spawned rank starts without the CLI's filters
     from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
     from areal_mcore.actor.config import (
         ActorConfig,
@@ -190,7 +230,8 @@ def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, ep, dtype):
     try:
         hf_config = _load_hf_config(input)
         cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=1), optimizer=OptimizerConfig(lr=1e-5),
-                          parallel=ParallelConfig(tp=tp, pp=pp, ep=ep), dtype=dtype)
+                          parallel=ParallelConfig(tp=tp, pp=pp, ep=ep), dtype=dtype,
+                          vocab_divisible_by=vocab_divisible_by)
         actor = MegatronActor(cfg, hf_config)
         state = load_hf_state_dict(input)
         # transformers drops the lm head of tied models from the files: ignore a stray one.
@@ -199,6 +240,6 @@ def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, ep, dtype):
         adapter.check_hf_names(state, actor.args, str(input))
         actor.load_hf_state_dict(state)
         Checkpointer(CheckpointConfig(root=output), dist.group.WORLD).save(
-            actor, step=0, weight_version=0, config_snapshot={"imported_from": str(input)})
+            actor, step=0, weight_version=0, config_snapshot={"imported_from": str(input)}, weights_only=True)
     finally:
         dist.destroy_process_group()

@@ -62,6 +62,7 @@ class EvalConfig:
     max_concurrent_rollouts: int = 64  # problems in flight (each n_samples requests)
     seed: int | None = None  # None: the run's eval seed, rollout.seed + 1, else 1
     out: str | None = None  # JSON report path
+    progress: bool = True  # tqdm bar over each dataset's problems
 
     def __post_init__(self):
         check_choice("model_kind", self.model_kind, MODEL_KINDS)

@@ -130,6 +130,8 @@ def _servers(job: EvalJob) -> tuple[list, list[str], dict, str | None]:
 
 async def _sample(job: EvalJob, addresses: list[str], reward_fn, decode, data, *,
                   api_key: str | None = None) -> list[dict]:
+    from tqdm import tqdm
+
     from areal_mcore.rollout.client import ClientConfig, RolloutClient, served_vocab_size
     from areal_mcore.rollout.controller import RolloutConfig, RolloutController
 
@@ -145,7 +147,10 @@ async def _sample(job: EvalJob, addresses: list[str], reward_fn, decode, data, *
                                           max_connections=rollout.connections)) as client:
         for d, prompts, dropped in data:
             t0 = time.perf_counter()
-            batch = await RolloutController(rollout, client, reward_fn, decode).rollout_batch(prompts)
+            # stderr, as filter's and train's bars: the report lines stay on stdout.
+            with tqdm(total=len(prompts), desc=Path(d.path).stem, unit="problem", disable=not cfg.progress) as bar:
+                batch = await RolloutController(rollout, client, reward_fn, decode).rollout_batch(
+                    prompts, on_group=lambda _: bar.update())
             n = cfg.n_samples
             groups = [batch.samples[i:i + n] for i in range(0, len(batch.samples), n)]
             assert len(groups) == len(prompts) and all(len({s.group for s in g}) == 1 for g in groups)

@@ -258,14 +258,15 @@ class RolloutController:
             self._free_slots(gid, 1)
 
     # ---- synchronous mode --------------------------------------------------------------
-    async def rollout_batch(self, prompts: list[Prompt],
-                            more: Callable[[], list[Prompt]] | None = None) -> RolloutBatch:
+    async def rollout_batch(self, prompts: list[Prompt], more: Callable[[], list[Prompt]] | None = None,
+                            on_group: Callable[[list[Sample]], None] | None = None) -> RolloutBatch:
         """All groups of ``prompts`` with the current weights, at most
         ``max_concurrent_rollouts`` groups' worth of samples generating (see the module
         docstring). With ``dynamic_sampling`` (and
         ``more``, the next batch of prompts), groups with equal rewards are dropped and
         further rounds of ``more()`` prompts sampled until ``len(prompts)`` mixed groups
-        are kept or ``dynamic_sampling_max_rounds`` rounds ran; the surplus is discarded."""
+        are kept or ``dynamic_sampling_max_rounds`` rounds ran; the surplus is discarded.
+        ``on_group`` sees each group as it lands (a progress bar)."""
         async def bounded(p: Prompt) -> list[Sample]:
             while self.generating + self.cfg.n_samples > self.cfg.in_flight:
                 self._changed.clear()  # every waiter wakes on set(); each checks again
@@ -273,7 +274,10 @@ class RolloutController:
             gid = self._next_group
             self._next_group += 1
             self._take_slots(gid)
-            return await self._group(gid, p, self.version)
+            group = await self._group(gid, p, self.version)
+            if on_group is not None:
+                on_group(group)
+            return group
 
         async def sample(batch: list[Prompt]) -> list[list[Sample]]:
             return list(await asyncio.gather(*[bounded(p) for p in batch]))

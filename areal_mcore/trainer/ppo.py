@@ -249,7 +249,11 @@ class PPORun:
         resumed = self.checkpointer.load(self.actor)
         self.start_step = resumed.step if resumed else 0
         state = resumed.extra if resumed and self.rank == 0 else {}
-        if resumed and self.rank == 0:
+        if resumed and self.rank == 0 and resumed.weights_only:  # `convert hf-to-mcore`'s
+            print(f"[ppo] starting from the weights of {resumed.path} (step {self.start_step}): it holds no "
+                  "trainer state, so the prompt order, rollout state, learning-rate schedule and W&B run "
+                  "start afresh", flush=True)
+        elif resumed and self.rank == 0:
             self.load_state_dict(state)
             print(f"[ppo] resumed from {resumed.path} at step {self.start_step}", flush=True)
         t = cfg.trainer
