@@ -28,6 +28,20 @@ def test_plan_boba_configs_fit_80gb(name, capsys):
     assert "verdict: fits" in out and "trainer stage 0" in out and "peak trainer rank" in out
 
 
+def test_plan_warns_when_an_override_leaves_the_allocation_at_another_tp(capsys):
+    """`plan ... actor.parallel.tp=4` on a t2 allocation reported "trainer DP 1 ... fits"
+    and said nothing, while the Slurm launcher would run the allocation's t2."""
+    assert main(["plan", "--config", "configs/boba_7b.yaml", "--gpu", "h100"]) == 0
+    assert "warning" not in capsys.readouterr().out
+    assert main(["plan", "--config", "configs/boba_7b.yaml", "--gpu", "h100", "actor.parallel.tp=4"]) == 0
+    out = capsys.readouterr().out
+    assert ("warning: launch.allocation=sglang:d16+megatron:d8t2 gives the trainer t2 p1, but actor.parallel is "
+            "tp=4 pp=1: planned at DP 1") in out and "set launch.allocation=sglang:d16+megatron:d4t4" in out, out
+    main(["plan", "--config", "configs/boba_7b.yaml", "--json", "actor.parallel.tp=3"])
+    (warning,) = json.loads(capsys.readouterr().out)["warnings"]
+    assert "its 16 trainer GPUs do not tile at tp=3 pp=1" in warning
+
+
 def test_plan_32b_without_recompute_and_sp_does_not_fit_and_names_the_fixes(capsys):
     assert main(["plan", "--config", "configs/boba_32b_ppo.yaml", *TOO_BIG]) == 1
     out = capsys.readouterr().out

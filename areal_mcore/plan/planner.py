@@ -36,6 +36,7 @@ class Plan:
     trainer: list[RankPlan]
     server: dict | None
     fixes: list[dict] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def peak(self) -> RankPlan:
@@ -107,7 +108,35 @@ def make_plan(cfg, gpu_memory_gb: float | None = None, *, with_fixes: bool = Tru
         plan.server["fits"] = plan.server["kv_pool_per_gpu"] > 0 and plan.server["fits_expected"]
     if with_fixes and not plan.fits:
         plan.fixes = fixes(cfg, args, plan, gpu_memory_gb)
+    plan.warnings = [w for w in (allocation_disagreement(cfg),) if w]
     return plan
+
+
+def allocation_disagreement(cfg) -> str | None:
+    """What is wrong when ``actor.parallel`` and ``launch.allocation``'s trainer disagree on
+    TP/PP (an override of one but not the other): the plan cannot read DP from the
+    allocation, and the Slurm launcher passes the allocation's t and p to the trainer
+    (launcher/slurm.py), so the run would not be the one planned."""
+    alloc, p = parse_allocation(cfg.launch.allocation), cfg.actor.parallel
+    t = alloc.trainer
+    if (t.t, t.p) == (p.tp, p.pp):
+        return None
+    fix = _allocation_at(alloc, p.tp, p.pp)
+    return (f"launch.allocation={cfg.launch.allocation} gives the trainer t{t.t} p{t.p}, but actor.parallel is "
+            f"tp={p.tp} pp={p.pp}: planned at DP 1 (nothing sharded), and the Slurm launcher would run "
+            f"t{t.t} p{t.p}; "
+            + (f"set launch.allocation={fix} (its {t.gpus} trainer GPUs at tp={p.tp} pp={p.pp})" if fix else
+               f"its {t.gpus} trainer GPUs do not tile at tp={p.tp} pp={p.pp}: change launch.allocation to match"))
+
+
+def _allocation_at(alloc, tp: int, pp: int) -> str | None:
+    """``alloc`` with its trainer's GPUs at ``tp`` x ``pp`` (DP takes the rest); None where
+    they do not tile, or EP (carved out of DP) no longer divides DP."""
+    t = alloc.trainer
+    if t.gpus % (tp * pp) or (t.gpus // (tp * pp)) % t.e:
+        return None
+    trainer = dataclasses.replace(t, d=t.gpus // (tp * pp), t=tp, p=pp)
+    return f"{alloc.rollout}+{trainer}" if alloc.rollout else str(trainer)
 
 
 def rollout_concurrency(cfg, server: dict) -> dict:
@@ -220,13 +249,8 @@ def _rescale_allocation(old, new):
     t, p = alloc.trainer, old.actor.parallel
     if (t.t, t.p) != (p.tp, p.pp):
         return new  # DP unknown (1) either way
-    n = new.actor.parallel
-    gpus = t.gpus
-    if gpus % (n.tp * n.pp) or (gpus // (n.tp * n.pp)) % t.e:
-        return None  # the GPUs do not tile, or EP (carved out of DP) no longer divides DP
-    trainer = dataclasses.replace(t, d=gpus // (n.tp * n.pp), t=n.tp, p=n.pp)
-    text = f"{alloc.rollout}+{trainer}" if alloc.rollout else str(trainer)
-    return _replace(new, "launch.allocation", text)
+    text = _allocation_at(alloc, new.actor.parallel.tp, new.actor.parallel.pp)
+    return None if text is None else _replace(new, "launch.allocation", text)
 
 
 def _yaml(v) -> str:

@@ -17,7 +17,7 @@ def format_table(plan: Plan) -> str:
     """Trainer terms per pipeline stage, the rollout server, the verdict and any fixes."""
     gpu = _gib(plan.gpu_bytes)
     lines = [f"memory plan per GPU (GiB) on {gpu} GiB GPUs; architecture from {plan.architecture}; "
-             f"trainer DP {plan.dp}"]
+             f"trainer DP {plan.dp}"] + [f"warning: {w}" for w in plan.warnings]
     head = ["rank"] + list(_TERMS) + ["total", "fits"]
     rows = [[r.where] + [_gib(r.terms[t]) for t in _TERMS] + [_gib(r.total), "yes" if r.total <= plan.gpu_bytes else "NO"]
             for r in plan.trainer]
@@ -59,7 +59,7 @@ def to_json(plan: Plan) -> dict:
         "peak_rank": plan.peak.where, "peak_gib": plan.peak.total / GiB,
         "server": None if plan.server is None else {
             k: (v / GiB if k in ("weights_per_gpu", "kv_pool_per_gpu") else v) for k, v in plan.server.items()},
-        "fits": plan.fits, "fixes": plan.fixes,
+        "fits": plan.fits, "fixes": plan.fixes, "warnings": plan.warnings,
     }
 
 
