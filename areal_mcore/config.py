@@ -245,6 +245,11 @@ def load_config(yaml_path: str | Path | None, overrides: list[str] | None = None
     Raises:
         ConfigError: unknown key (with the nearest valid keys), wrong type (with the
             expected type), missing required value, or a value its dataclass rejects.
+
+    Paths (``model_path``, datasets, ``trainer.log_dir``) are not checked here: ``plan``,
+    the Slurm launcher on a login node and ``eval`` load configs whose models and data
+    exist only where the job runs, or are replaced by flags. ``trainer.ppo.train`` and
+    ``trainer.sft.run_sft`` check them as the CLI does (``paths.check_run_paths``).
     """
     cfg = OmegaConf.structured(schema)
     if yaml_path is not None:

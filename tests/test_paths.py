@@ -133,3 +133,21 @@ def test_an_empty_dataset_file_a_taken_base_port_and_too_many_minibatches_are_na
     assert f"server.base_port={port} cannot be used: port {port} is taken by pid {os.getpid()} " in err
     err = _one_line_error(capsys, main(_train(good, "ppo.ppo_n_minibatches=1000")))
     assert "ppo.ppo_n_minibatches=1000 is more than a batch's 64 samples" in err
+
+
+def test_the_python_api_checks_paths_as_the_cli_does(good):
+    """``load_config`` leaves paths to where they are used (plan and the Slurm launcher load
+    configs whose models exist only on the cluster); ``train`` and ``run_sft`` accepted a
+    config without model_path and failed deep in the actor. Now they check first, before
+    any process group (none is initialised here)."""
+    from areal_mcore.config import load_config
+    from areal_mcore.paths import PathError
+    from areal_mcore.trainer.ppo import train
+    from areal_mcore.trainer.sft import run_sft
+
+    base = [f"dataset.path={good['data']}", f"eval_dataset.path={good['data']}", f"trainer.log_dir={good['logs']}"]
+    with pytest.raises(PathError, match=r"^model_path is not set"):
+        train(load_config("configs/tiny_cpu.yaml", [*base, "model_path=null"]))
+    with pytest.raises(PathError, match=r"^sft.base_model=/nonexistent: "):
+        run_sft(load_config("configs/tiny_cpu.yaml", [*base, "sft.base_model=/nonexistent"]))
+    assert not dist.is_initialized()

@@ -39,6 +39,7 @@ from areal_mcore.algo.drift import reduce_rollout_gap, rollout_gap_sums
 from areal_mcore.config import ExperimentConfig
 from areal_mcore.convert.hf_files import load_hf_state_dict
 from areal_mcore.convert.save_hf import save_hf
+from areal_mcore.paths import check_run_paths
 from areal_mcore.rollout.protocol import RolloutError
 from areal_mcore.run_dir import RunDir
 from areal_mcore.trainer import stats as S
@@ -102,7 +103,9 @@ class RolloutDriftError(RuntimeError):
 
 
 def train(cfg: ExperimentConfig) -> list[dict]:
-    """Runs ``cfg.trainer.total_steps`` PPO steps; returns the per-step stats (rank 0)."""
+    """Runs ``cfg.trainer.total_steps`` PPO steps; returns the per-step stats (rank 0).
+    Its paths are checked first, as ``areal-mcore train`` checks them (``load_config`` does not)."""
+    check_run_paths(cfg, "train")
     run = PPORun(cfg)
     phase, ppo = run.phases, cfg.ppo
     try:

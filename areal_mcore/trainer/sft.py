@@ -80,7 +80,11 @@ def train_sft(actor, pairs, *, steps: int, batch_size: int, seed: int = 1) -> li
 
 
 def run_sft(cfg) -> list[float]:
-    """``areal-mcore sft``: cfg.sft.base_model -> cfg.sft.output_dir (every rank calls)."""
+    """``areal-mcore sft``: cfg.sft.base_model -> cfg.sft.output_dir (every rank calls); its
+    paths checked first, as the CLI checks them (``load_config`` does not)."""
+    from areal_mcore.paths import check_run_paths
+
+    check_run_paths(cfg, "sft")
     from transformers import AutoConfig, AutoTokenizer
 
     from areal_mcore.actor.megatron_actor import MegatronActor
