@@ -209,6 +209,13 @@ def add_train_parsers(sub) -> None:
         p.add_argument("overrides", nargs="*", help="a.b.c=value overrides, applied after the file")
         p.add_argument("--no-plan-check", action="store_true",
                        help="start even when `areal-mcore plan` says the config does not fit in GPU memory")
+        if name == "train":  # an earlier run in log_dir/experiment_name: trainer.existing_run
+            earlier = p.add_mutually_exclusive_group()
+            earlier.add_argument("--resume", action="store_true",
+                                 help="go on from the earlier run's checkpoint, or start afresh if it has none "
+                                      "(a checkpoint short of total_steps is resumed without it)")
+            earlier.add_argument("--overwrite", action="store_true",
+                                 help="move the earlier run's files to <run>/before-<time>/ and start afresh")
 
 
 def add_plan_parsers(sub) -> None:
@@ -288,6 +295,9 @@ def run_train(a) -> int:
     from areal_mcore.paths import check_run_paths
 
     overrides = a.overrides + (["plan.check=false"] if a.no_plan_check else [])
+    for flag in ("resume", "overwrite"):
+        if getattr(a, flag, False):
+            overrides.append(f"trainer.existing_run={flag}")
     cfg = load_config(a.config, overrides)  # config errors surface before any process group
     if refuse_unplanned(cfg, a.command):  # ... and a config that cannot fit, before any server
         return 2

@@ -250,6 +250,42 @@ class RunDir:
         rows = self.stats_tail(1)
         return rows[-1]["step"] if rows else 0
 
+    # ---- an earlier run in the same directory ---------------------------------------
+    # What one run writes here (not the Slurm launcher's slurm/, nor the rollout key).
+    RUN_OUTPUTS = ("stats.jsonl", "eval.jsonl", "curves.png", "trace.json", "tensorboard", "checkpoints",
+                   "hf", "rollouts", "STOPPED")
+
+    def earlier_run_refusal(self, total_steps: int, mode: str) -> str | None:
+        """Why a run of ``total_steps`` with ``trainer.existing_run=mode`` must not start
+        here, or None. "auto" resumes a checkpoint short of ``total_steps`` (a stopped run
+        rerun, a requeued job); a finished run, or stats rows without a checkpoint (a fresh
+        start sets them aside), need a flag to say what is meant ("resume" does what "auto"
+        would have done silently; the Slurm launcher's requeued tries pass it)."""
+        if mode != "auto":
+            return None
+        step, rows = self.checkpoint_step(), self.last_step()
+        fix = (f"--overwrite (trainer.existing_run=overwrite) starts afresh, its files moved to "
+               f"{self.path}/before-<time>/; or give this run another experiment_name")
+        if step and step >= total_steps:
+            return (f"{self.path} holds a finished run (its checkpoint of step {step}, and trainer.total_steps="
+                    f"{total_steps}): trainer.total_steps above {step} trains it on; {fix}")
+        if not step and rows:
+            return (f"{self.path} holds an earlier run's stats ({rows} steps) and no checkpoint to resume: "
+                    f"--resume (trainer.existing_run=resume) starts afresh, its stats set aside; {fix}")
+        return None
+
+    def set_aside(self) -> Path | None:
+        """Moves the earlier run's files (``RUN_OUTPUTS``) into ``<run>/before-<time>/``;
+        returns that folder, or None when there was nothing to move."""
+        found = [self.path / name for name in self.RUN_OUTPUTS if (self.path / name).exists()]
+        if not found:
+            return None
+        aside = self.path / f"before-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.mkdir()
+        for path in found:
+            path.rename(aside / path.name)
+        return aside
+
     # ---- checkpoints -----------------------------------------------------------------
     def latest_checkpoint(self) -> Path | None:
         return latest_checkpoint(self.checkpoints)

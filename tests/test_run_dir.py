@@ -167,3 +167,50 @@ def test_the_disk_sync_exports_under_the_run_directory_only(tmp_path):
         with pytest.raises(FieldError, match=rf"weight_sync.disk_dir='{outside}' is outside the run directory"):
             export_dir(outside, str(run))
     assert export_dir("/tmp/x", None) == "/tmp/x"  # a syncer outside a run (the tests') as given
+
+
+def test_an_earlier_finished_or_unresumable_run_is_refused_unless_a_flag_says_what_to_do(tmp_path):
+    """A README-style rerun with the same experiment_name silently set aside a finished
+    run's stats and overwrote its curves. "auto" still resumes a checkpoint short of
+    total_steps (a stopped run rerun, a requeued job)."""
+    run = RunDir(tmp_path / "x")
+    assert run.earlier_run_refusal(5, "auto") is None  # nothing there yet
+    run.path.mkdir()
+    for step in (1, 2, 3):
+        run.append_stats({"step": step})
+    why = run.earlier_run_refusal(5, "auto")
+    assert why.startswith(f"{run.path} holds an earlier run's stats (3 steps) and no checkpoint to resume: "
+                          "--resume (trainer.existing_run=resume) starts afresh") and "--overwrite" in why
+    assert run.earlier_run_refusal(5, "resume") is None
+    run.checkpoints.mkdir()
+    point_latest_at(run.checkpoints, checkpoint_name(3))
+    assert run.earlier_run_refusal(5, "auto") is None  # resumed at step 3
+    why = run.earlier_run_refusal(3, "auto")
+    assert "holds a finished run (its checkpoint of step 3, and trainer.total_steps=3): trainer.total_steps " \
+           "above 3 trains it on; --overwrite" in why
+    (run.path / "curves.png").write_bytes(b"png")
+    (run.path / "rollout_api_key").write_text("k")
+    aside = run.set_aside()
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "curves.png", "stats.jsonl"]
+    assert sorted(p.name for p in run.path.iterdir()) == sorted([aside.name, "rollout_api_key"])
+    assert run.earlier_run_refusal(3, "auto") is None and run.set_aside() is None
+
+
+def test_the_cli_refuses_a_rerun_of_a_finished_run_before_anything_starts(tmp_path):
+    from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+
+    assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(tmp_path / "assets"), n_train=8, n_test=2,
+                                                hidden_size=32, intermediate_size=64, num_layers=1))
+    run = RunDir(tmp_path / "tiny-cpu")
+    run.path.mkdir()
+    run.append_stats({"step": 5})
+    run.checkpoints.mkdir(parents=True)
+    point_latest_at(run.checkpoints, checkpoint_name(5))
+    out = subprocess.run([sys.executable, "-m", "areal_mcore.cli", "train", "--config", "configs/tiny_cpu.yaml",
+                          f"trainer.log_dir={tmp_path}", "server.backend=embedded", "trainer.total_steps=5",
+                          f"model_path={assets['model']}", f"dataset.path={assets['train']}",
+                          f"eval_dataset.path={assets['test']}"],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "holds a finished run (its checkpoint of step 5, and trainer.total_steps=5)" in out.stderr
+    assert not (run.path / "servers").exists() and run.stats_rows() == [{"step": 5}]  # nothing started or moved

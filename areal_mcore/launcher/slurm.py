@@ -201,6 +201,8 @@ class Launcher:
                     f"--nnodes={len(nodes)}", f"--nproc-per-node={per_node}"]
         train = ["-m", "areal_mcore.cli", "train" if addresses else "sft", "--config", self.config,
                  *self.overrides, f"actor.parallel.tp={t.t}", f"actor.parallel.pp={t.p}"]
+        if addresses and self.job.restarts:  # a requeued try goes on from its own earlier tries
+            train.append("trainer.existing_run=resume")
         if addresses:
             train.append("server.addresses=[" + ",".join(f'"{a}"' for a in addresses) + "]")
         from areal_mcore.rollout.auth import KEY_ENV

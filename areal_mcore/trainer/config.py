@@ -8,6 +8,7 @@ from areal_mcore.checks import check_choice, check_positive, field_error
 from areal_mcore.trainer.wandb_log import WandbConfig
 
 TRAINER_MODES = ("sync", "async")
+EXISTING_RUN = ("auto", "resume", "overwrite")  # trainer.existing_run
 
 
 @dataclass(kw_only=True)
@@ -19,6 +20,13 @@ class TrainerConfig:
     save_freq: int = 0  # steps between checkpoints; 0: never
     eval_freq: int = 0  # steps between evaluations on eval_dataset (and before step 1); 0: never
     log_dir: str = "runs"  # the run writes under log_dir/experiment_name
+    # What a run does with an earlier run in log_dir/experiment_name (RunDir.
+    # earlier_run_refusal): auto resumes one with a checkpoint short of total_steps (a
+    # stopped run rerun, a requeued job) and refuses a finished one or stats without a
+    # checkpoint; resume goes on from a checkpoint if there is one, else starts afresh with
+    # the earlier rows set aside; overwrite moves the earlier run's files to
+    # <run>/before-<time>/ and starts afresh. CLI: --resume, --overwrite.
+    existing_run: str = "auto"
     max_prompt_tokens: int = 1024  # longer prompts are dropped (and counted)
     # sync: every batch is sampled by the weights it trains; async: rollouts go on during
     # training, at most rollout.max_head_offpolicyness versions behind (pair it with
@@ -46,6 +54,7 @@ class TrainerConfig:
 
     def __post_init__(self):
         check_choice("mode", self.mode, TRAINER_MODES)
+        check_choice("existing_run", self.existing_run, EXISTING_RUN)
         check_positive("export_freq", self.export_freq, allow_zero=True)
         check_positive("total_steps", self.total_steps)
         check_positive("batch_size", self.batch_size)

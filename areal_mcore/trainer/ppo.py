@@ -209,10 +209,15 @@ class PPORun:
     def _setup(self) -> None:
         cfg = self.cfg
         # One trainer per run directory, checked before anything is started or written.
-        refusal = None
+        refusal, t = None, cfg.trainer
         if self.rank == 0:
             try:
                 self._lock = self.files.lock()
+                # ... and an earlier run here that this one would silently redo or set aside.
+                refusal = self.files.earlier_run_refusal(t.total_steps, t.existing_run)
+                if t.existing_run == "overwrite" and (aside := self.files.set_aside()):
+                    print(f"[ppo] trainer.existing_run=overwrite: the earlier run's files are now in {aside}",
+                          flush=True)
             except ValueError as e:
                 refusal = str(e)
         refusal = collectives.broadcast_object(refusal, 0, dist.group.WORLD)
