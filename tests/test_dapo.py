@@ -93,6 +93,14 @@ def test_sync_dynamic_sampling_bound_cuts_the_batch_short_with_a_warning():
     assert batch.stats["rollout/dynamic_kept_ratio"] == 1 / 4
 
 
+def test_the_kept_ratio_counts_surplus_mixed_groups_as_passing_the_filter():
+    """It read 0.5 with 2 of 16 groups uniform: the mixed groups past the batch, discarded
+    for its size, counted as filtered out. Here 4 of 6 judged groups are mixed, 3 train."""
+    batch = asyncio.run(_controller().rollout_batch(_prompts([ALL_WRONG, MIXED, ALL_RIGHT]),
+                                                    more=lambda: _prompts([MIXED, MIXED, MIXED])))
+    assert batch.stats["rollout/dynamic_groups"] == 3 and batch.stats["rollout/dynamic_kept_ratio"] == 4 / 6
+
+
 def test_sync_without_more_or_option_keeps_every_group():
     # Evaluation calls rollout_batch without more(): never filtered.
     batch = asyncio.run(_controller().rollout_batch(_prompts([ALL_WRONG, ALL_RIGHT])))

@@ -319,8 +319,9 @@ def test_a_reward_fn_by_dotted_path_trains_a_run_and_the_drift_alarm_stays_quiet
     overrides = [*_overrides(tiny.assets, tiny.server.address, tmp_path), "trainer.save_freq=0",
                  "trainer.total_steps=2", "trainer.dump_to_file=true", "reward.fn=_rewards:parity_reward",
                  "trainer.max_rollout_logprob_gap=1e-3"]
-    (rows,) = run_gloo(_ppo_worker, 1, overrides)
+    (rows,) = run_gloo(_ppo_worker_printing_to, 1, overrides, str(tmp_path / "console"))
     assert [r["step"] for r in rows] == [1, 2]
+    assert "; reward: _rewards:parity_reward\n" in (tmp_path / "console.0").read_text()  # the run says which
     for row in rows:
         dumped = [json.loads(line) for line in
                   (tmp_path / "resume" / "rollouts" / f"step_{row['step']}.jsonl").read_text().splitlines()]

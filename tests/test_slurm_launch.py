@@ -174,6 +174,9 @@ def test_sbatch_run_requeued_mid_run_resumes_from_its_last_step_bitwise(assets, 
     status = _status(run_dir)
     assert status["state"] == "COMPLETED" and status["restarts"] == 1 and status["step"] == 6
     first = (run_dir / "slurm" / f"job{job}_try0" / "trainer.log").read_text()
+    # The job's .out shows launcher lines only: it names where the step progress is.
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    assert f"[launcher] trainer log (step progress): {run_dir}/slurm/job{job}_try0/trainer.log" in out, out
     stopped_at = _stopped_at(first)
     assert stopped_at >= 4 and "Error" not in first.split("checkpointing step ", 1)[1], first[-3000:]
     log = (run_dir / "slurm" / f"job{job}_try1" / "trainer.log").read_text()

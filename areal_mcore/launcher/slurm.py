@@ -211,6 +211,9 @@ class Launcher:
         if addresses and self.api_key:  # the trainer calls servers it did not start (server.addresses)
             env[KEY_ENV] = self.api_key
         self.steps["trainer"] = subprocess.Popen([*srun, *torchrun, *train], env=env)
+        # This job's .out gets the launcher's lines only; the steps' progress is there.
+        print(f"[launcher] trainer log (step progress): {self.logs / 'trainer.log'}; follow it with "
+              f"tail -f {self.logs / 'trainer.log'}", flush=True)
         self.status.update(state="RUNNING")
 
     def _srun(self, name: str, nodes: list[str], *, ntasks_per_node: int, share: int,

@@ -296,10 +296,12 @@ class RolloutController:
                 break
             batch = more()
         self.dropped_uniform += seen - len(kept)
-        kept = kept[:want]
+        # The ratio counts the groups that passed the filter, as async mode's does: the
+        # surplus mixed groups are discarded for the batch's size, not for their rewards.
+        mixed, kept = len(kept), kept[:want]
         self.consumed += len(kept)
         self.accepted += len(kept)
-        return self._batch(kept, dynamic=(len(kept), seen, float(rounds), want))
+        return self._batch(kept, dynamic=(mixed, seen, float(rounds), want))
 
     # ---- async mode --------------------------------------------------------------------
     def capacity(self, batch_size: int) -> int:

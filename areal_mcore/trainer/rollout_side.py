@@ -47,7 +47,7 @@ class RolloutSide:
         train_set = prompts_for(cfg.dataset, tokenizer, max_prompt_tokens=t.max_prompt_tokens)
         self.prompts = train_set.prompts
         print(f"[ppo] {len(self.prompts)} prompts ({train_set.dropped_long} longer than "
-              f"{t.max_prompt_tokens} tokens dropped)", flush=True)
+              f"{t.max_prompt_tokens} tokens dropped); reward: {cfg.reward.fn}", flush=True)
         if len(self.prompts) < t.batch_size:  # the sampler would say so without naming the file
             raise ValueError(f"dataset.path={cfg.dataset.path}: {len(self.prompts)} usable prompts "
                              f"({train_set.dropped_long} longer than trainer.max_prompt_tokens="
