@@ -78,6 +78,9 @@ class ExperimentConfig(InferenceConfig):
 
     experiment_name: str
     seed: int = 1
+    # A published algorithm's keys in one word (algo/presets.py): dapo, gspo, dr_grpo. Set
+    # over the config file's values; key=value overrides still win.
+    algo: str | None = None
     actor: ActorConfig
     ppo: PPOConfig = field(default_factory=PPOConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
@@ -263,13 +266,28 @@ def load_config(yaml_path: str | Path | None, overrides: list[str] | None = None
         if not isinstance(file_cfg, DictConfig):
             raise ConfigError(f"{path}: the top level must be a mapping of config keys")
         cfg = _merge(cfg, file_cfg, schema, lambda key: f"{path}:{_yaml_line(path, key)}")
-    for item in overrides or []:
+    cfg = _apply_overrides(cfg, overrides or [], schema)
+    algo = cfg.get("algo") if "algo" in cfg else None
+    if algo is not None:
+        from areal_mcore.algo.presets import PRESETS, preset_tree
+
+        if algo not in PRESETS:
+            raise ConfigError(f"algo={algo!r} is not a preset: one of {sorted(PRESETS)}, or null "
+                              "(docs/algorithm.md, Presets)")
+        # Over the file's values; the command line's overrides are applied again and win.
+        cfg = _merge(cfg, OmegaConf.create(preset_tree(algo)), schema, lambda key: f"algo={algo} preset ({key})")
+        cfg = _apply_overrides(cfg, overrides or [], schema)
+    return _build(schema, cfg, "")
+
+
+def _apply_overrides(cfg, overrides: list[str], schema: type):
+    for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like a.b.c=value")
         dot = OmegaConf.from_dotlist([f"{key.strip()}={value}"])
         cfg = _merge(cfg, dot, schema, lambda _k, item=item: f"override {item!r}")
-    return _build(schema, cfg, "")
+    return cfg
 
 
 def _merge(cfg, other, schema: type, where) -> Any:

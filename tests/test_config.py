@@ -243,3 +243,33 @@ def test_an_allocation_naming_another_backend_than_server_backend_is_refused_nam
     msg = str(e.value)
     assert "launch.allocation='sglang:d16+megatron:d8t2'" in msg and "server.backend='embedded'" in msg
     assert "embedded:d16" in msg  # the allocation that would agree
+
+
+def test_algo_presets_set_the_published_keys_over_the_file_and_the_command_line_wins(capsys):
+    """GSPO, DAPO and Dr.GRPO took 4-5 keys each, assembled from a table."""
+    import dataclasses
+
+    from areal_mcore.algo.presets import PRESETS
+    from areal_mcore.cli import main
+
+    dapo = load_config("configs/tiny_cpu.yaml", ["algo=dapo"])
+    assert (dapo.ppo.eps_clip, dapo.ppo.eps_clip_high, dapo.ppo.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert dapo.rollout.dynamic_sampling and dapo.ppo.adv_norm is None
+    assert (dapo.ppo.reward_norm.mean_level, dapo.ppo.reward_norm.std_level) == ("group", "group")
+    # Over the file (tiny_cpu.yaml normalises by group std and batch advantages) ...
+    dr = load_config("configs/tiny_cpu.yaml", ["algo=dr_grpo"])
+    assert dr.ppo.reward_norm.std_level == "none" and dr.ppo.adv_norm is None
+    assert dr.ppo.loss_agg_mode == "seq-mean-token-sum-norm"
+    # ... under the command line, before or after algo=.
+    for overrides in (["algo=gspo", "ppo.eps_clip=1e-3"], ["ppo.eps_clip=1e-3", "algo=gspo"]):
+        gspo = load_config("configs/tiny_cpu.yaml", overrides)
+        assert (gspo.ppo.eps_clip, gspo.ppo.eps_clip_high) == (1e-3, 4e-4)
+        assert gspo.ppo.importance_sampling_level == "sequence"
+    assert dataclasses.asdict(gspo)["algo"] == "gspo"  # the manifest's resolved config names it
+    with pytest.raises(ConfigError, match=r"algo='grpo' is not a preset: one of \['dapo', 'dr_grpo', 'gspo'\]"):
+        load_config("configs/tiny_cpu.yaml", ["algo=grpo"])
+    assert set(PRESETS) == {"dapo", "gspo", "dr_grpo"}
+    assert main(["plan", "--config", "configs/boba_7b.yaml", "algo=gspo", "ppo.eps_clip=1e-3"]) == 0
+    assert ("algo=gspo: ppo.reward_norm.mean_level=group ppo.reward_norm.std_level=group ppo.adv_norm=null "
+            "ppo.importance_sampling_level=sequence ppo.eps_clip=0.001 ppo.eps_clip_high=0.0004 "
+            "ppo.loss_agg_mode=seq-mean-token-mean") in capsys.readouterr().out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from areal_mcore.algo.presets import describe
 from areal_mcore.launcher.allocation import parse_allocation
 from areal_mcore.model.args import ModelArgs, padded_vocab_size
 from areal_mcore.plan.architectures import resolve_architecture
@@ -37,6 +38,7 @@ class Plan:
     server: dict | None
     fixes: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    algorithm: str | None = None  # the algo preset's keys as resolved (algo/presets.py)
 
     @property
     def peak(self) -> RankPlan:
@@ -109,6 +111,7 @@ def make_plan(cfg, gpu_memory_gb: float | None = None, *, with_fixes: bool = Tru
     if with_fixes and not plan.fits:
         plan.fixes = fixes(cfg, args, plan, gpu_memory_gb)
     plan.warnings = [w for w in (allocation_disagreement(cfg),) if w]
+    plan.algorithm = describe(cfg)
     return plan
 
 

@@ -18,6 +18,8 @@ def format_table(plan: Plan) -> str:
     gpu = _gib(plan.gpu_bytes)
     lines = [f"memory plan per GPU (GiB) on {gpu} GiB GPUs; architecture from {plan.architecture}; "
              f"trainer DP {plan.dp}"] + [f"warning: {w}" for w in plan.warnings]
+    if plan.algorithm:
+        lines.append(plan.algorithm)
     head = ["rank"] + list(_TERMS) + ["total", "fits"]
     rows = [[r.where] + [_gib(r.terms[t]) for t in _TERMS] + [_gib(r.total), "yes" if r.total <= plan.gpu_bytes else "NO"]
             for r in plan.trainer]
@@ -60,6 +62,7 @@ def to_json(plan: Plan) -> dict:
         "server": None if plan.server is None else {
             k: (v / GiB if k in ("weights_per_gpu", "kv_pool_per_gpu") else v) for k, v in plan.server.items()},
         "fits": plan.fits, "fixes": plan.fixes, "warnings": plan.warnings,
+        "algorithm": plan.algorithm,
     }
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import time
 from functools import partial
 
+from areal_mcore.algo.presets import describe
 from areal_mcore.data.prompts import prompts_for
 from areal_mcore.data.sampler import EpochSampler
 from areal_mcore.reward.pool import RewardCounts, RewardPool
@@ -48,6 +49,8 @@ class RolloutSide:
         self.prompts = train_set.prompts
         print(f"[ppo] {len(self.prompts)} prompts ({train_set.dropped_long} longer than "
               f"{t.max_prompt_tokens} tokens dropped); reward: {cfg.reward.fn}", flush=True)
+        if cfg.algo:
+            print(f"[ppo] {describe(cfg)}", flush=True)
         if len(self.prompts) < t.batch_size:  # the sampler would say so without naming the file
             raise ValueError(f"dataset.path={cfg.dataset.path}: {len(self.prompts)} usable prompts "
                              f"({train_set.dropped_long} longer than trainer.max_prompt_tokens="
