@@ -34,7 +34,7 @@ def test_the_shipped_configs_load():
     cfg = load_config("configs/tiny_cpu.yaml")
     assert cfg.server.model_path == cfg.model_path == "runs/tiny-cpu/sft_model"
     assert cfg.ppo.reward_norm.group_size == cfg.rollout.n_samples
-    for name in ("boba_1.5b", "boba_7b", "boba_32b_ppo", "qwen3_8b", "qwen3_30b_a3b"):
+    for name in ("boba_1.5b", "boba_7b", "boba_32b_ppo", "qwen3_8b", "qwen3_30b_a3b", "llama3_8b"):
         boba = load_config(f"configs/{name}.yaml")
         # the recipe's numbers (docs/recipe.md) where every PPO config must agree
         assert (boba.trainer.batch_size, boba.rollout.n_samples, boba.rollout.max_new_tokens) == (512, 16, 27648)

@@ -17,7 +17,7 @@ from areal_mcore.plan.lengths import Lengths, dump_lengths
 from areal_mcore.plan.memory import GiB, server_plan, stage_params
 from areal_mcore.plan.planner import server_shape
 
-BOBA = ["boba_1.5b", "boba_7b", "boba_32b_ppo", "boba_32b_sft", "qwen3_8b", "qwen3_30b_a3b"]
+BOBA = ["boba_1.5b", "boba_7b", "boba_32b_ppo", "boba_32b_sft", "qwen3_8b", "qwen3_30b_a3b", "llama3_8b"]
 TOO_BIG = ["actor.recompute=false", "actor.parallel.sequence_parallel=false"]
 
 
