@@ -21,10 +21,12 @@ Checked here (in-process, no network, no subprocess):
 - docs/configs.md: its ```python blocks run (they only load configs) and its error lines
   are the loader's messages, word for word.
 
-Not executed: the shell blocks themselves. They install venvs, start training runs, rollout
-servers, Slurm jobs or benchmarks (`make run` 21 min, `make test` 13 min on 2 cores; sbatch,
-`areal-mcore launch` and the local cluster need Slurm; `bench/gpu_check.sh` a GPU; eval,
-filter and convert need model folders). Lines with shell variables ($X), placeholders
+Executed: every shell block without a marker, verbatim, in a copy of the repository's
+layout (links; `runs/tiny-cpu/assets` built as `make run` builds it). A block that cannot
+run in the suite says so in an HTML comment on the line before its fence, invisible on the
+rendered page: `<!-- shell: not run: <why> -->` (installs venvs, starts GPU jobs, is the
+suite itself, ...), or `<!-- shell: tiny version in tests/x.py::test_y -->`, the test that
+runs its flow at tiny size (which must exist). Lines with shell variables ($X), placeholders
 (<jobid>, `...`, [optional flags]) or several commands (a pipe) are checked only for their
 command names, make targets and paths; an sbatch script with more than one recipe inside
 (boba_32b.sh: STAGE picks one, its allocation is computed) is checked for its path only;
@@ -36,8 +38,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -346,6 +351,55 @@ def test_shell_blocks_name_real_commands_paths_and_configs(page, cli_parser):
         if where == page:
             bad += [f"`{line}`: {e}" for e in _check_line(line, cli_parser, targets, makefile)]
     assert not bad, f"{_rel(page)}:\n" + "\n".join(bad)
+
+
+SHELL_BLOCK = re.compile(r"(?:^[ \t]*<!-- shell: (?P<mark>.+?) -->[ \t]*\n)?^[ \t]*```(?P<info>[^\n]*)\n(?P<body>.*?)"
+                         r"^[ \t]*```", re.M | re.S)
+
+
+def _shell_blocks(page: Path):
+    """(line of the fence, marker or None, body) of each bash/sh block of the page."""
+    text = _read(page)
+    for m in SHELL_BLOCK.finditer(text):
+        if m.group("info").strip().split(" ")[0] in ("bash", "sh", "shell", "console"):
+            yield text[:m.start("info")].count("\n") + 1, m.group("mark"), m.group("body")
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    """The repository's top-level entries as links, without runs/, where the tiny model
+    `make run` builds first is built (a block may plan with it)."""
+    from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+
+    root = tmp_path_factory.mktemp("docs_sandbox")
+    for entry in ROOT.iterdir():
+        if entry.name not in ("runs", ".git"):
+            (root / entry.name).symlink_to(entry)
+    build_tiny_assets(TinyAssetsConfig(out_dir=str(root / "runs" / "tiny-cpu" / "assets"), n_train=8, n_test=2))
+    return root
+
+
+@pytest.mark.parametrize("page", DOCS, ids=_rel)
+def test_every_shell_block_runs_here_or_its_marker_says_why(page, sandbox):
+    """The documented commands work verbatim: each block runs (bash -euo pipefail, the venv's
+    areal-mcore first on PATH), or its marker names the reason or the test of its flow."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    bad = []
+    for line, mark, body in _shell_blocks(page):
+        where = f"{_rel(page)}:{line}"
+        if mark is None:
+            out = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=sandbox, env=env, capture_output=True,
+                                 text=True, timeout=300)
+            if out.returncode:
+                bad.append(f"{where}: exit {out.returncode} (mark it `<!-- shell: not run: why -->` if it cannot "
+                           f"run in the suite):\n{body}{out.stdout[-1500:]}{out.stderr[-1500:]}")
+        elif mark.startswith("tiny version in "):
+            file, _, test = mark.removeprefix("tiny version in ").partition("::")
+            if not (ROOT / file).is_file() or not re.search(rf"^def {re.escape(test)}\(", _read(ROOT / file), re.M):
+                bad.append(f"{where}: {mark!r} names no test")
+        elif not (mark.startswith("not run: ") and len(mark) > 20):
+            bad.append(f"{where}: marker {mark!r}: expected 'not run: <why>' or 'tiny version in <test id>'")
+    assert not bad, "\n".join(bad)
 
 
 def test_the_checks_see_what_they_check(cli_parser):
