@@ -258,7 +258,8 @@ class RunDir:
     def earlier_run_refusal(self, total_steps: int, mode: str) -> str | None:
         """Why a run of ``total_steps`` with ``trainer.existing_run=mode`` must not start
         here, or None. "auto" resumes a checkpoint short of ``total_steps`` (a stopped run
-        rerun, a requeued job); a finished run, or stats rows without a checkpoint (a fresh
+        rerun, a requeued job) or one at its end without its final HF export; a finished run
+        (checkpointed and exported), or stats rows without a checkpoint (a fresh
         start sets them aside), need a flag to say what is meant ("resume" does what "auto"
         would have done silently; the Slurm launcher's requeued tries pass it)."""
         if mode != "auto":
@@ -266,7 +267,8 @@ class RunDir:
         step, rows = self.checkpoint_step(), self.last_step()
         fix = (f"--overwrite (trainer.existing_run=overwrite) starts afresh, its files moved to "
                f"{self.path}/before-<time>/; or give this run another experiment_name")
-        if step and step >= total_steps:
+        # A run killed during its final export resumes to write it (the export is its last act).
+        if step and step >= total_steps and (self.path / "hf" / f"step_{step}" / "config.json").is_file():
             return (f"{self.path} holds a finished run (its checkpoint of step {step}, and trainer.total_steps="
                     f"{total_steps}): trainer.total_steps above {step} trains it on; {fix}")
         if not step and rows:

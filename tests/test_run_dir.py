@@ -185,13 +185,16 @@ def test_an_earlier_finished_or_unresumable_run_is_refused_unless_a_flag_says_wh
     run.checkpoints.mkdir()
     point_latest_at(run.checkpoints, checkpoint_name(3))
     assert run.earlier_run_refusal(5, "auto") is None  # resumed at step 3
+    assert run.earlier_run_refusal(3, "auto") is None  # ended before its final export: resumed to write it
+    (run.path / "hf" / "step_3").mkdir(parents=True)
+    (run.path / "hf" / "step_3" / "config.json").write_text("{}")
     why = run.earlier_run_refusal(3, "auto")
     assert "holds a finished run (its checkpoint of step 3, and trainer.total_steps=3): trainer.total_steps " \
            "above 3 trains it on; --overwrite" in why
     (run.path / "curves.png").write_bytes(b"png")
     (run.path / "rollout_api_key").write_text("k")
     aside = run.set_aside()
-    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "curves.png", "stats.jsonl"]
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "curves.png", "hf", "stats.jsonl"]
     assert sorted(p.name for p in run.path.iterdir()) == sorted([aside.name, "rollout_api_key"])
     assert run.earlier_run_refusal(3, "auto") is None and run.set_aside() is None
 
@@ -206,6 +209,8 @@ def test_the_cli_refuses_a_rerun_of_a_finished_run_before_anything_starts(tmp_pa
     run.append_stats({"step": 5})
     run.checkpoints.mkdir(parents=True)
     point_latest_at(run.checkpoints, checkpoint_name(5))
+    (run.path / "hf" / "step_5").mkdir(parents=True)
+    (run.path / "hf" / "step_5" / "config.json").write_text("{}")
     out = subprocess.run([sys.executable, "-m", "areal_mcore.cli", "train", "--config", "configs/tiny_cpu.yaml",
                           f"trainer.log_dir={tmp_path}", "server.backend=embedded", "trainer.total_steps=5",
                           f"model_path={assets['model']}", f"dataset.path={assets['train']}",

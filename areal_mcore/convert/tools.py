@@ -209,11 +209,15 @@ def hf_to_mcore(input: str | Path, output: str | Path, *, tp: int = 1, pp: int =
 
 
 def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, ep, dtype, vocab_divisible_by):
+    import warnings
+
     import torch.distributed as dist
 
-    from areal_mcore.accel import quiet_known_warnings
-
-    quiet_known_warnings()  # before megatron-core is imported: a spawned rank starts without the CLI's filters
+    # Before megatron-core is imported (a spawned rank starts without the CLI's filters):
+    # its start-up notices (fallbacks, deprecations, experimental classes; 0.19's differ
+    # from 0.16's) and compile-time SyntaxWarnings (module: the file's path) are nothing a
+    # conversion's user acts on. What is missing is said in one line (the accelerators).
+    warnings.filterwarnings("ignore", module=r"(.*/)?megatron[./]")
     from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
     from areal_mcore.actor.config import (
         ActorConfig,
