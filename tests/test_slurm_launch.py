@@ -178,7 +178,9 @@ def test_sbatch_run_requeued_mid_run_resumes_from_its_last_step_bitwise(assets, 
     out = (tmp_path / f"slurm-{job}.out").read_text()
     assert f"[launcher] trainer log (step progress): {run_dir}/slurm/job{job}_try0/trainer.log" in out, out
     stopped_at = _stopped_at(first)
-    assert stopped_at >= 4 and "Error" not in first.split("checkpointing step ", 1)[1], first[-3000:]
+    after = first.split("checkpointing step ", 1)[1]  # the stop checkpoint's save, and what followed it
+    assert stopped_at >= 4 and not any(e in after for e in ("failed writing", "BrokenPipeError", "EOFError")), \
+        first[-3000:]
     log = (run_dir / "slurm" / f"job{job}_try1" / "trainer.log").read_text()
     assert f"step_{stopped_at:08d} at step {stopped_at}" in log, log[-2000:]
     rows = _rows(run_dir)
