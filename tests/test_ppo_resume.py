@@ -15,6 +15,7 @@ import psutil
 import pytest
 from _dist import _worker, rank_context, run_gloo
 from _rollout import embedded_servers
+from _runs import same_steps
 from _tmpfs import fill, tmpfs
 
 from areal_mcore.config import load_config
@@ -87,15 +88,6 @@ def tiny(tmp_path_factory):
     with embedded_servers(assets["model"], str(root / "logs")) as (server,):
         (rows,) = run_gloo(_ppo_worker, 1, [*_overrides(assets, server.address, root / "ref"), "trainer.save_freq=0"])
         yield SimpleNamespace(assets=assets, server=server, reference=rows)
-
-
-def _same_steps(rows, reference):
-    """Every row equals the uninterrupted run's row of its step, bitwise."""
-    by_step = {r["step"]: r for r in reference}
-    for row in rows:
-        ref = by_step[row["step"]]
-        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm"):
-            assert row[key] == ref[key], (row["step"], key, row[key], ref[key])
 
 
 @pytest.mark.slow
@@ -188,7 +180,7 @@ def test_a_run_goes_on_when_one_of_two_servers_dies(tiny, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[0]["sync/server_versions"] == ["1", "1"]
     assert rows[-1]["sync/server_versions"] == [str(STEPS)]  # the survivor, at every step's weights
-    _same_steps(rows, tiny.reference)
+    same_steps(rows, tiny.reference)
 
 
 def test_sigterm_mid_rollout_checkpoints_the_last_step_at_once_and_the_run_resumes_exactly(tiny, tmp_path):
@@ -224,7 +216,7 @@ def test_sigterm_mid_rollout_checkpoints_the_last_step_at_once_and_the_run_resum
                                         "trainer.save_freq=0"])
     assert [r["step"] for r in rows] == [2, 3, 4]  # from the checkpoint of step 1
     assert [r["step"] for r in _rows(stats)] == [1, 2, 3, 4]
-    _same_steps(_rows(stats), tiny.reference)
+    same_steps(_rows(stats), tiny.reference)
 
 
 def test_a_full_disk_ends_the_run_naming_the_file_and_once_freed_the_run_resumes_exactly(tiny, tmp_path):
@@ -254,7 +246,7 @@ def test_a_full_disk_ends_the_run_naming_the_file_and_once_freed_the_run_resumes
         (rows,) = run_gloo(_ppo_worker, 1, overrides)
         assert 1 < rows[0]["step"]  # resumed from a checkpoint
         assert [r["step"] for r in _rows(run / "stats.jsonl")] == [1, 2, 3, 4]
-        _same_steps(_rows(run / "stats.jsonl"), tiny.reference)
+        same_steps(_rows(run / "stats.jsonl"), tiny.reference)
 
 
 def test_a_run_goes_on_when_one_of_two_servers_stalls(tiny, tmp_path):
@@ -284,7 +276,7 @@ def test_a_run_goes_on_when_one_of_two_servers_stalls(tiny, tmp_path):
             os.kill(servers[1].proc.pid, signal.SIGCONT)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[-1]["sync/server_versions"] == [str(STEPS)] and took < 120, took
-    _same_steps(rows, tiny.reference)
+    same_steps(rows, tiny.reference)
 
 
 def test_with_its_only_server_stalled_the_run_checkpoints_and_ends_naming_it(tiny, tmp_path):
@@ -405,7 +397,7 @@ def test_a_server_killed_mid_push_is_dropped_and_the_run_goes_on_with_the_surviv
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[0]["sync/server_versions"] == ["1", "1"]
     assert rows[1]["sync/server_versions"] == ["2"]  # the survivor got step 2's weights after all
-    _same_steps(rows, tiny.reference)
+    same_steps(rows, tiny.reference)
 
 
 @pytest.mark.parametrize("route", ["/generate:12", "/pause_generation:2"])

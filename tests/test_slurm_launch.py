@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+from _runs import same_steps
 from _slurm import REPO, TERMINAL, require, require_cluster, run, state, steps, wait
 
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
@@ -119,14 +120,6 @@ def _wait_rows(run_dir, n, job_id, timeout_s=240):
         time.sleep(0.5)
 
 
-def _same_steps(rows, reference):
-    """Every row equals the uninterrupted run's row of its step, bitwise."""
-    by_step = {r["step"]: r for r in reference}
-    for row in rows:
-        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm"):
-            assert row[key] == by_step[row["step"]][key], (row["step"], key)
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(assets, tmp_path_factory):
     """A 6-step run launched through submitit, uninterrupted: the rows the requeued run
@@ -185,7 +178,7 @@ def test_sbatch_run_requeued_mid_run_resumes_from_its_last_step_bitwise(assets, 
     assert f"step_{stopped_at:08d} at step {stopped_at}" in log, log[-2000:]
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 7)) and all(min(r["train/grad_norm"]) > 0 for r in rows)
-    _same_steps(rows, uninterrupted.rows)
+    same_steps(rows, uninterrupted.rows)
     # Rollout server on the first node, trainer on the second (accounting's last try).
     st = steps(job)
     assert st["rollout0"][1] == "node1" and st["trainer"] == ("COMPLETED", "node2"), st

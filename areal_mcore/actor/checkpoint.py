@@ -235,20 +235,17 @@ class Checkpointer:
         sharded = actor.sharded_state_dict(for_loading=True, weights_only=weights_only)
         actor.load_sharded_state(dist_checkpointing.load(sharded, str(path / "model")), weights_only)
         trainer = torch.load(path / "trainer_state.pt", weights_only=False)
-        if weights_only:
-            collectives.barrier(self.group)
-            return ResumeState(path=path, step=trainer["step"], weight_version=trainer["weight_version"],
-                               extra={}, weights_only=True)
-        actor.scheduler.load_state_dict(trainer["scheduler"])
-        rng = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
-        if manifest["layout"]["world"] == dist.get_world_size(self.group) and rng.exists():
-            _set_rng_state(torch.load(rng, weights_only=False))
-        else:
-            warnings.warn(f"{path}: saved with another world size; RNG states are not restored",
-                          stacklevel=2)
+        if not weights_only:
+            actor.scheduler.load_state_dict(trainer["scheduler"])
+            rng = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
+            if manifest["layout"]["world"] == dist.get_world_size(self.group) and rng.exists():
+                _set_rng_state(torch.load(rng, weights_only=False))
+            else:
+                warnings.warn(f"{path}: saved with another world size; RNG states are not restored",
+                              stacklevel=2)
         collectives.barrier(self.group)
         return ResumeState(path=path, step=trainer["step"], weight_version=trainer["weight_version"],
-                           extra=trainer["extra"])
+                           extra=trainer["extra"], weights_only=weights_only)
 
 
 def _check_compatible(manifest: dict, actor: MegatronActor, path: Path) -> None:

@@ -264,7 +264,6 @@ class PPORun:
         elif resumed and self.rank == 0:
             self.load_state_dict(state)
             print(f"[ppo] resumed from {resumed.path} at step {self.start_step}", flush=True)
-        t = cfg.trainer
         self.logger = S.RunLogger(t, self.run_dir, enabled=self.rank == 0, start_step=self.start_step,
                                   experiment=dataclasses.asdict(cfg), wandb_run_id=state.get("wandb_run_id"))
         self.phases = S.Phases(self.run_dir / "trace.json" if t.trace and self.rank == 0 else None)
