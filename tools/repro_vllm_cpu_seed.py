@@ -18,7 +18,8 @@ Four seeded requests of 200 prompt tokens:
   context), so nothing is discarded. The seeded samples come back, and two runs print the
   same tokens (checked on 2026-12-06: ``[[297, 97, 147, 93], ...]`` both times).
 
-Not yet done (issue 45): the servers' flags or a plugin-side fix, and the tests.
+What the project does about it: its vLLM servers on CPU start without chunked prefill
+(rollout/engines/vllm.py), and docs/rollout.md has the upstream report.
 """
 
 from __future__ import annotations

