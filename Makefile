@@ -16,7 +16,7 @@ TORCH_LINKS ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl),/opt/wheels,h
 # locks alone say what is installed. --require-hashes is implied by the hashes in the locks.
 SYNC = $(UV) pip sync --quiet --find-links $(TORCH_LINKS) --python
 
-.PHONY: install lock check-latest disk-install disk-test disk-019 install-vllm install-mcore019 test-mcore019 sysdeps sglang-wheels test \
+.PHONY: golden install lock check-latest disk-install disk-test disk-019 install-vllm install-mcore019 test-mcore019 sysdeps sglang-wheels test \
 	test-deps test-main test-fast lint run bench clean slurm-up slurm-down
 
 # The vLLM venv (install-vllm, below) is on by default where there is no GPU (nvidia-smi).
@@ -194,6 +194,11 @@ bench: install
 
 run: install
 	PY=$(PY) scripts/quickstart.sh
+
+# Records tests/golden/ (tests/_golden.py), the seeded tiny runs' per-step numbers: after a
+# deliberate numeric change, in a commit that says why, or on a new kind of machine.
+golden: install
+	AREAL_GOLDEN=record $(PY) -m pytest tests/test_vllm_ppo.py -k "golden or short_tiny" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV019) $(VLLM_VENV) .venv-latest *.egg-info .pytest_cache .hypothesis
