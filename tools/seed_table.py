@@ -1,0 +1,128 @@
+"""The tiny run's learning over seeds: one PPO run per (backend, seed) from make run's SFT
+warm-up, then the table the README reports (held-out gain at the last step, how far each
+seed ends below its own peak, PPO wall time).
+
+``.venv/bin/python tools/seed_table.py [--backends vllm embedded] [--seeds 1 2 3]
+[--out runs/seeds] [--report] [overrides ...]``
+
+A seed S sets ``seed``, ``rollout.seed`` and ``server.seed`` to S. Overrides
+(``key=value``) go to every PPO run, e.g. ``actor.optimizer.lr=3e-4`` for a sweep
+point. ``--report`` only reads the runs already under ``--out``. The assets and SFT model
+are make run's (``runs/tiny-cpu``), built as scripts/quickstart.sh builds them if missing.
+Runs go one after another: each wants both cores, and its PPO time is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "configs/tiny_cpu.yaml"
+TINY = "runs/tiny-cpu"
+
+
+def _cli(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "areal_mcore.cli", *args], cwd=ROOT, check=True)
+
+
+def warm_up() -> None:
+    """make run's assets and SFT model (scripts/quickstart.sh's first two steps)."""
+    if not os.path.isfile(os.path.join(ROOT, TINY, "assets/model/config.json")):
+        subprocess.run([sys.executable, "-m", "areal_mcore.data.tiny_assets", "--out", f"{TINY}/assets"],
+                       cwd=ROOT, check=True)
+    if not os.path.isfile(os.path.join(ROOT, TINY, "sft_model/config.json")):
+        _cli("sft", "--config", CONFIG, "actor.optimizer.lr=3e-3")
+
+
+def run(out: str, backend: str, seed: int, overrides: list[str]) -> None:
+    """One PPO run into ``out/<backend>/seed_<seed>``; its wall time in ``ppo_time.json``."""
+    log_dir = os.path.join(out, backend, f"seed_{seed}")
+    server = ["server.backend=" + backend] + (["server.vllm.enforce_eager=true"] if backend == "vllm" else [])
+    start = time.monotonic()
+    # seed: the actor's initialisation and the prompt order; rollout.seed: the samples (and
+    # the evals', rollout.seed + 1); server.seed: the servers' own generators
+    seeds = [f"seed={seed}", f"rollout.seed={seed}", f"server.seed={seed}"]
+    _cli("train", "--config", CONFIG, *seeds, f"trainer.log_dir={log_dir}", "trainer.progress=false",
+         "--overwrite", *server, *overrides)
+    with open(os.path.join(log_dir, "ppo_time.json"), "w") as f:
+        json.dump({"ppo_s": time.monotonic() - start, "overrides": overrides}, f)
+
+
+def summary(out: str, backend: str, seeds: list[int]) -> dict:
+    rows = []
+    for seed in seeds:
+        d = os.path.join(out, backend, f"seed_{seed}")
+        evals = [json.loads(x) for x in open(os.path.join(d, "tiny-cpu", "eval.jsonl"))]
+        acc = [e["eval/accuracy"] for e in evals]
+        ppo_s = json.load(open(os.path.join(d, "ppo_time.json")))["ppo_s"]
+        rows.append({"seed": seed, "first": acc[0], "last": acc[-1], "peak": max(acc), "gain": acc[-1] - acc[0],
+                     "below_peak": max(acc) - acc[-1], "ppo_s": ppo_s, "curve": acc})
+    gains = [r["gain"] for r in rows]
+    return {"backend": backend, "seeds": rows, "gain_min": min(gains), "gain_median": statistics.median(gains),
+            "gain_max": max(gains), "below_peak_max": max(r["below_peak"] for r in rows),
+            "ppo_s_median": statistics.median(r["ppo_s"] for r in rows)}
+
+
+def trajectory(run_dir: str, every: int = 25) -> str:
+    """Per ``every`` steps: mean training reward, response length and share without EOS,
+    entropy, the largest grad norm and server-trainer logprob gap (drift), and the evals."""
+    rows = [json.loads(x) for x in open(os.path.join(run_dir, "stats.jsonl"))]
+    evals = {e["step"]: e["eval/accuracy"] for e in map(json.loads, open(os.path.join(run_dir, "eval.jsonl")))}
+    out = [f"held-out at step 0: {evals.get(0, float('nan')):.3f}",
+           "steps | reward | len | no-EOS | entropy | grad max | drift max | held-out"]
+    for i in range(0, len(rows), every):
+        part = rows[i:i + every]
+        def mean(key, part=part):
+            return statistics.fmean(r[key] for r in part)
+        grad = max(max(r["train/grad_norm"]) for r in part)
+        drift = max(r.get("drift/gap_mean_abs", 0.0) for r in part)
+        held = [f"{evals[s]:.3f}" for s in range(part[0]["step"], part[-1]["step"] + 1) if s in evals]
+        out.append(f"{part[0]['step']}-{part[-1]['step']} | {mean('rollout/reward_mean'):.3f} | "
+                   f"{mean('rollout/response_len_mean'):.1f} | {mean('rollout/no_eos_ratio'):.3f} | "
+                   f"{mean('train/entropy'):.3f} | {grad:.2f} | {drift:.1e} | {' '.join(held)}")
+    return "\n".join(out)
+
+
+def markdown(tables: list[dict]) -> str:
+    lines = ["| backend | seed | held-out, step 0 -> last | gain | below own peak | PPO |",
+             "|---|---|---|---|---|---|"]
+    for t in tables:
+        for r in t["seeds"]:
+            lines.append(f"| {t['backend']} | {r['seed']} | {r['first']:.3f} -> {r['last']:.3f} | "
+                         f"{r['gain']:+.3f} | {r['below_peak']:.3f} | {r['ppo_s'] / 60:.1f} min |")
+        lines.append(f"| {t['backend']} | min / median / max | | {t['gain_min']:+.3f} / {t['gain_median']:+.3f} / "
+                     f"{t['gain_max']:+.3f} | max {t['below_peak_max']:.3f} | median {t['ppo_s_median'] / 60:.1f} min |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backends", nargs="+", default=["vllm", "embedded"], choices=["vllm", "embedded"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    p.add_argument("--out", default="runs/seeds")
+    p.add_argument("--report", action="store_true", help="only read the runs already under --out")
+    p.add_argument("--trajectory", action="store_true", help="also print each run's trajectory")
+    args, overrides = p.parse_known_args()
+    args.out = os.path.abspath(args.out)
+    if not args.report:
+        warm_up()
+        for backend in args.backends:
+            for seed in args.seeds:
+                run(args.out, backend, seed, overrides)
+    tables = [summary(args.out, b, args.seeds) for b in args.backends]
+    with open(os.path.join(args.out, "table.json"), "w") as f:
+        json.dump(tables, f, indent=1)
+    print(markdown(tables))
+    for backend in args.backends if args.trajectory else []:
+        for seed in args.seeds:
+            print(f"\n{backend}, seed {seed}:\n" + trajectory(os.path.join(args.out, backend, f"seed_{seed}", "tiny-cpu")))
+
+
+if __name__ == "__main__":
+    main()
