@@ -48,8 +48,8 @@ def run(out: str, backend: str, seed: int, overrides: list[str]) -> None:
     # seed: the actor's initialisation and the prompt order; rollout.seed: the samples (and
     # the evals', rollout.seed + 1); server.seed: the servers' own generators
     seeds = [f"seed={seed}", f"rollout.seed={seed}", f"server.seed={seed}"]
-    _cli("train", "--config", CONFIG, *seeds, f"trainer.log_dir={log_dir}", "trainer.progress=false",
-         "--overwrite", *server, *overrides)
+    _cli("train", "--overwrite", "--config", CONFIG, *seeds, f"trainer.log_dir={log_dir}",
+         "trainer.progress=false", *server, *overrides)
     with open(os.path.join(log_dir, "ppo_time.json"), "w") as f:
         json.dump({"ppo_s": time.monotonic() - start, "overrides": overrides}, f)
 
