@@ -20,6 +20,7 @@ from _tiny_model import VLLM_SHAPE, task_assets
 from _vllm import require_vllm
 
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+from areal_mcore.trainer.stats import trajectory
 
 pytestmark = [pytest.mark.server, pytest.mark.venv]
 
@@ -76,7 +77,7 @@ def test_a_short_tiny_ppo_run_on_vllm_raises_held_out_accuracy(tmp_path, warmed)
     # samples per eval, so 0.03 is ~2 sd above no change. At lr 4e-4 this test rose only
     # +0.039..+0.065 and once fell to 0.001 in CI, on vLLM's stale LM head; on the corrected
     # path lr 4e-4 gives +0.082 at step 60, with a length excursion (docs/training.md).
-    assert after >= before + 0.03, (before, after, _trajectory(rows))
+    assert after >= before + 0.03, (before, after, trajectory(rows, evals, every=10))
     check_or_record("tiny_vllm", rows)
 
 
@@ -90,21 +91,6 @@ def test_a_seeded_run_on_the_embedded_server_repeats_the_golden_trajectory(tmp_p
     stats = tmp_path / "runs" / "tiny-cpu" / "stats.jsonl"
     check_or_record("tiny_embedded", [json.loads(x) for x in stats.read_text().splitlines()],
                     near={"drift/": 1e-5})  # its batching moves the logprobs' last bits (_golden.py)
-
-
-def _trajectory(rows: list[dict]) -> str:
-    """Per 10 steps: mean rollout reward, responses without EOS, max grad norm."""
-    def mean(xs):
-        return sum(xs) / len(xs)
-    out = []
-    for i in range(0, len(rows), 10):
-        part = rows[i:i + 10]
-        grad = max(max(r["train/grad_norm"]) if isinstance(r["train/grad_norm"], list)
-                   else r["train/grad_norm"] for r in part)
-        out.append(f"steps {part[0]['step']}-{part[-1]['step']}: reward "
-                   f"{mean([r['rollout/reward_mean'] for r in part]):.3f}, no-EOS "
-                   f"{mean([r['rollout/no_eos_ratio'] for r in part]):.3f}, grad<= {grad:.2f}")
-    return "; ".join(out)
 
 
 @pytest.mark.slow

@@ -21,6 +21,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+from areal_mcore.run_dir import RunDir, read_jsonl
+from areal_mcore.trainer.stats import trajectory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/tiny_cpu.yaml"
@@ -54,12 +58,15 @@ def run(out: str, backend: str, seed: int, overrides: list[str]) -> None:
         json.dump({"ppo_s": time.monotonic() - start, "overrides": overrides}, f)
 
 
+def _run_dir(out: str, backend: str, seed: int) -> Path:
+    return Path(out, backend, f"seed_{seed}", "tiny-cpu")
+
+
 def summary(out: str, backend: str, seeds: list[int]) -> dict:
     rows = []
     for seed in seeds:
         d = os.path.join(out, backend, f"seed_{seed}")
-        evals = [json.loads(x) for x in open(os.path.join(d, "tiny-cpu", "eval.jsonl"))]
-        acc = [e["eval/accuracy"] for e in evals]
+        acc = [e["eval/accuracy"] for e in read_jsonl(_run_dir(out, backend, seed) / "eval.jsonl")]
         ppo_s = json.load(open(os.path.join(d, "ppo_time.json")))["ppo_s"]
         rows.append({"seed": seed, "first": acc[0], "last": acc[-1], "peak": max(acc), "gain": acc[-1] - acc[0],
                      "below_peak": max(acc) - acc[-1], "ppo_s": ppo_s, "curve": acc})
@@ -67,26 +74,6 @@ def summary(out: str, backend: str, seeds: list[int]) -> dict:
     return {"backend": backend, "seeds": rows, "gain_min": min(gains), "gain_median": statistics.median(gains),
             "gain_max": max(gains), "below_peak_max": max(r["below_peak"] for r in rows),
             "ppo_s_median": statistics.median(r["ppo_s"] for r in rows)}
-
-
-def trajectory(run_dir: str, every: int = 25) -> str:
-    """Per ``every`` steps: mean training reward, response length and share without EOS,
-    entropy, the largest grad norm and server-trainer logprob gap (drift), and the evals."""
-    rows = [json.loads(x) for x in open(os.path.join(run_dir, "stats.jsonl"))]
-    evals = {e["step"]: e["eval/accuracy"] for e in map(json.loads, open(os.path.join(run_dir, "eval.jsonl")))}
-    out = [f"held-out at step 0: {evals.get(0, float('nan')):.3f}",
-           "steps | reward | len | no-EOS | entropy | grad max | drift max | held-out"]
-    for i in range(0, len(rows), every):
-        part = rows[i:i + every]
-        def mean(key, part=part):
-            return statistics.fmean(r[key] for r in part)
-        grad = max(max(r["train/grad_norm"]) for r in part)
-        drift = max(r.get("drift/gap_mean_abs", 0.0) for r in part)
-        held = [f"{evals[s]:.3f}" for s in range(part[0]["step"], part[-1]["step"] + 1) if s in evals]
-        out.append(f"{part[0]['step']}-{part[-1]['step']} | {mean('rollout/reward_mean'):.3f} | "
-                   f"{mean('rollout/response_len_mean'):.1f} | {mean('rollout/no_eos_ratio'):.3f} | "
-                   f"{mean('train/entropy'):.3f} | {grad:.2f} | {drift:.1e} | {' '.join(held)}")
-    return "\n".join(out)
 
 
 def markdown(tables: list[dict]) -> str:
@@ -121,7 +108,9 @@ def main() -> None:
     print(markdown(tables))
     for backend in args.backends if args.trajectory else []:
         for seed in args.seeds:
-            print(f"\n{backend}, seed {seed}:\n" + trajectory(os.path.join(args.out, backend, f"seed_{seed}", "tiny-cpu")))
+            run_dir = _run_dir(args.out, backend, seed)
+            print(f"\n{backend}, seed {seed}:\n" + trajectory(RunDir(run_dir).stats_rows(),
+                                                                read_jsonl(run_dir / "eval.jsonl")))
 
 
 if __name__ == "__main__":

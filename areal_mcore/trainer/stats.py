@@ -278,3 +278,24 @@ def plot_curves(run_dir: Path) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def trajectory(rows: list[dict], evals: list[dict] = (), every: int = 25) -> str:
+    """A run's course per ``every`` steps, to read an instability from: mean training reward,
+    response length and share cut without EOS, entropy, the largest grad norm and
+    server-trainer logprob gap (drift), and the held-out evals in the span."""
+    held = {e["step"]: e["eval/accuracy"] for e in evals}
+    out = [f"held-out at step 0: {held[0]:.3f}"] if 0 in held else []
+    out.append("steps | reward | len | no-EOS | entropy | grad max | drift max | held-out")
+    for i in range(0, len(rows), every):
+        part = rows[i:i + every]
+
+        def mean(key, part=part):
+            return sum(r[key] for r in part) / len(part)
+        grad = max(max(g) if isinstance(g, list) else g for g in (r["train/grad_norm"] for r in part))
+        drift = max(r.get("drift/gap_mean_abs", 0.0) for r in part)
+        evals_here = [f"{held[s]:.3f}" for s in range(part[0]["step"], part[-1]["step"] + 1) if s in held]
+        out.append(f"{part[0]['step']}-{part[-1]['step']} | {mean('rollout/reward_mean'):.3f} | "
+                   f"{mean('rollout/response_len_mean'):.1f} | {mean('rollout/no_eos_ratio'):.3f} | "
+                   f"{mean('train/entropy'):.3f} | {grad:.2f} | {drift:.1e} | {' '.join(evals_here)}")
+    return "\n".join(out)
