@@ -53,10 +53,13 @@ def _hf_model(model_dir):
 
 
 def _generate(addresses, prompts, sampling, **client_kw):
+    """``sampling``: one SamplingParams for every prompt, or a list of one per prompt."""
+    per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+
     async def go():
         async with RolloutClient(ClientConfig(addresses=addresses, backend="vllm",
                                               **client_kw)) as c:
-            return await asyncio.gather(*[c.generate(p, sampling) for p in prompts])
+            return await asyncio.gather(*[c.generate(p, sp) for p, sp in zip(prompts, per_prompt)])
     return asyncio.run(go())
 
 
@@ -113,9 +116,9 @@ def test_seeded_samples_are_the_same_whatever_the_server_batch_or_order(servers)
     prompts = [torch.randint(3, 200, (300,), generator=g).tolist() for _ in range(32)]
 
     def draw(address, order, seeded=True):
-        outs = _generate([address], [prompts[i] for i in order], SamplingParams(
-            max_new_tokens=16, temperature=1.0, ignore_eos=True)) if not seeded else asyncio.run(_seeded(
-                address, [prompts[i] for i in order], [1000 + i for i in order]))
+        sampling = [SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True,
+                                   sampling_seed=1000 + i if seeded else None) for i in order]
+        outs = _generate([address], [prompts[i] for i in order], sampling)
         return {i: (o.output_ids, o.logprobs) for i, o in zip(order, outs)}
 
     first = draw(servers[0].address, list(range(32)))
@@ -124,13 +127,6 @@ def test_seeded_samples_are_the_same_whatever_the_server_batch_or_order(servers)
     assert len({tuple(ids) for ids, _ in first.values()}) > 1  # the seeds differ, so do the samples
     unseeded = [draw(s.address, list(range(4)), seeded=False) for s in servers]
     assert unseeded[0] != unseeded[1]
-
-
-async def _seeded(address, prompts, seeds):
-    async with RolloutClient(ClientConfig(addresses=[address], backend="vllm")) as c:
-        return await asyncio.gather(*[c.generate(p, SamplingParams(
-            max_new_tokens=16, temperature=1.0, ignore_eos=True, sampling_seed=s))
-            for p, s in zip(prompts, seeds)])
 
 
 def _greedy(address, n=12):

@@ -244,16 +244,17 @@ class VLLMEngine(Engine):
                "--max-num-seqs", str(cfg.max_running_requests),
                "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
                "--weight-transfer-config", json.dumps({"backend": transfer_backend(cfg)})]
+        cpu = _on_cpu()
         if cfg.vllm.kv_cache_memory_mb:
             cmd += ["--kv-cache-memory-bytes", str(int(cfg.vllm.kv_cache_memory_mb * 2**20))]
-        elif _on_cpu():
+        elif cpu:
             # On CPU --gpu-memory-utilization is a fraction of the whole host's memory
             # (measured: 18.7 of 21.7 GiB for the tiny model), so a second process on the
             # machine made the engine fail at start-up: size the cache from the run instead.
             cmd += ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(cfg))]
         else:
             cmd += ["--gpu-memory-utilization", str(cfg.mem_fraction_static)]
-        if _on_cpu():  # seeded requests crash chunked prefill on CPU (module docstring)
+        if cpu:  # seeded requests crash chunked prefill on CPU (module docstring)
             cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
                     str(max(cfg.context_length, CPU_BATCHED_TOKENS))]
         if cfg.skip_tokenizer_init:
