@@ -209,6 +209,10 @@ def add_train_parsers(sub) -> None:
         p.add_argument("overrides", nargs="*", help="a.b.c=value overrides, applied after the file")
         p.add_argument("--no-plan-check", action="store_true",
                        help="start even when `areal-mcore plan` says the config does not fit in GPU memory")
+        if name == "sft":
+            p.add_argument("--if-changed", action="store_true",
+                           help="keep sft.output_dir's model when its sft.json records this same SFT "
+                                "(base model, data, steps, batch, lr, seed); train otherwise")
         if name == "train":  # an earlier run in log_dir/experiment_name: trainer.existing_run
             earlier = p.add_mutually_exclusive_group()
             earlier.add_argument("--resume", action="store_true",
@@ -307,6 +311,11 @@ def run_train(a) -> int:
 
         check_ports_free(cfg.server)  # and a taken server.base_port
     if a.command == "sft":
+        from areal_mcore.trainer.sft import sft_is_current
+
+        if a.if_changed and sft_is_current(cfg):
+            print(f"sft: {cfg.sft.output_dir} holds this SFT's model already (its sft.json); not retrained")
+            return 0
         check_model_folder("sft.base_model", cfg.sft.base_model, cfg.actor.parallel.ep)  # and a model the actor refuses
     else:
         check_model_folder("model_path", cfg.model_path, cfg.actor.parallel.ep, cfg.actor.router_replay)

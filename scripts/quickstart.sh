@@ -10,9 +10,8 @@ RUN=runs/tiny-cpu
 if [ ! -f "$RUN/assets/model/config.json" ]; then
   "$PY" -m areal_mcore.data.tiny_assets --out "$RUN/assets"
 fi
-if [ ! -f "$RUN/sft_model/config.json" ]; then
-  "$PY" -m areal_mcore.cli sft --config "$CONFIG" actor.optimizer.lr=3e-3
-fi
+# Retrained when the config's sft section changed (sft_model/sft.json records it).
+"$PY" -m areal_mcore.cli sft --config "$CONFIG" --if-changed
 # A fresh PPO run each time (the SFT model and assets are reused).
 rm -rf "$RUN/stats.jsonl" "$RUN/eval.jsonl" "$RUN/tensorboard" "$RUN/hf" "$RUN/curves.png" "$RUN/trace.json" \
   "$RUN/rollouts" "$RUN/checkpoints"

@@ -55,9 +55,9 @@ server: {{model_path: '${{model_path}}', dtype: float32, context_length: 256}}
 weight_sync: {{dtype: float32, master_address: 127.0.0.1}}
 reward: {{num_workers: 1}}
 trainer: {{total_steps: 1, batch_size: 4, eval_freq: 1, log_dir: {tmp_path / 'runs'}, progress: false}}
-sft: {{base_model: {assets['model']}, output_dir: {tmp_path / 'sft_model'}, steps: 80, batch_size: 32}}
+sft: {{base_model: {assets['model']}, output_dir: {tmp_path / 'sft_model'}, steps: 80, batch_size: 32, lr: 3.0e-3}}
 """)
-    _cli("sft", "--config", str(config), "actor.optimizer.lr=3e-3")
+    _cli("sft", "--config", str(config))
     return assets, config, tmp_path / "sft_model"
 
 

@@ -71,3 +71,22 @@ def test_sft_on_two_dp_ranks_learns_the_answer_format():
     assert all(torch.isfinite(torch.tensor(losses[0])))
     assert last < 0.5 * first, (first, last)
     print(f"SFT NLL {first:.3f} -> {last:.3f}")
+
+
+def test_if_changed_keeps_a_model_only_its_own_recipe_wrote(tmp_path):
+    """`areal-mcore sft --if-changed` (make run) retrains when the config's SFT changed, e.g.
+    a new sft.steps, instead of reusing the folder an older recipe wrote."""
+    import json
+
+    from areal_mcore.config import load_config
+    from areal_mcore.trainer.sft import RECIPE_FILE, sft_is_current, sft_recipe
+
+    def cfg(*overrides):
+        return load_config("configs/tiny_cpu.yaml", [f"sft.output_dir={tmp_path}", *overrides])
+
+    assert not sft_is_current(cfg())  # no sft.json: a model from before the recipe was recorded
+    (tmp_path / RECIPE_FILE).write_text(json.dumps(sft_recipe(cfg())))
+    assert sft_is_current(cfg())
+    for changed in ("sft.steps=7", "sft.lr=1e-3", "seed=2", "sft.base_model=elsewhere", "dataset.path=other.jsonl"):
+        assert not sft_is_current(cfg(changed)), changed
+    assert sft_recipe(cfg("sft.lr=null"))["lr"] == cfg().actor.optimizer.lr  # unset: the actor's lr

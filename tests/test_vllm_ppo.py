@@ -19,7 +19,9 @@ from _golden import check_or_record
 from _tiny_model import VLLM_SHAPE, task_assets
 from _vllm import require_vllm
 
+from areal_mcore.config import load_config
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
+from areal_mcore.trainer.sft import sft_is_current
 from areal_mcore.trainer.stats import trajectory
 
 pytestmark = [pytest.mark.server, pytest.mark.venv]
@@ -37,15 +39,15 @@ def _cli(*args: str, timeout: float) -> None:
 
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
-    """make run's assets and SFT warm-up (its lr), once for the module: the overrides that
-    point a run at them."""
+    """make run's assets and SFT warm-up (the config's sft section), once for the module: the
+    overrides that point a run at them."""
     root = tmp_path_factory.mktemp("tiny")
     assets = build_tiny_assets(TinyAssetsConfig(out_dir=str(root / "assets")))
     sft_model = root / "sft_model"
     paths = [f"dataset.path={assets['train']}", f"eval_dataset.path={assets['test']}",
              f"sft.base_model={assets['model']}", f"sft.output_dir={sft_model}", "trainer.progress=false"]
-    _cli("sft", "--config", CONFIG, *paths, f"trainer.log_dir={root / 'sft'}", "actor.optimizer.lr=3e-3",
-         timeout=900)
+    _cli("sft", "--config", CONFIG, *paths, f"trainer.log_dir={root / 'sft'}", timeout=900)
+    assert sft_is_current(load_config(CONFIG, paths))  # it recorded its recipe (make run's --if-changed)
     return [*paths, f"model_path={sft_model}"]
 
 

@@ -40,8 +40,7 @@ def warm_up() -> None:
     if not os.path.isfile(os.path.join(ROOT, TINY, "assets/model/config.json")):
         subprocess.run([sys.executable, "-m", "areal_mcore.data.tiny_assets", "--out", f"{TINY}/assets"],
                        cwd=ROOT, check=True)
-    if not os.path.isfile(os.path.join(ROOT, TINY, "sft_model/config.json")):
-        _cli("sft", "--config", CONFIG, "actor.optimizer.lr=3e-3")
+    _cli("sft", "--config", CONFIG, "--if-changed")
 
 
 def run(out: str, backend: str, seed: int, overrides: list[str]) -> None:
@@ -62,14 +61,18 @@ def _run_dir(out: str, backend: str, seed: int) -> Path:
     return Path(out, backend, f"seed_{seed}", "tiny-cpu")
 
 
-def summary(out: str, backend: str, seeds: list[int]) -> dict:
+def summary(out: str, backend: str, seeds: list[int]) -> dict | None:
     rows = []
     for seed in seeds:
         d = os.path.join(out, backend, f"seed_{seed}")
+        if not os.path.isfile(os.path.join(d, "ppo_time.json")):  # not run (yet), or did not finish
+            continue
         acc = [e["eval/accuracy"] for e in read_jsonl(_run_dir(out, backend, seed) / "eval.jsonl")]
         ppo_s = json.load(open(os.path.join(d, "ppo_time.json")))["ppo_s"]
         rows.append({"seed": seed, "first": acc[0], "last": acc[-1], "peak": max(acc), "gain": acc[-1] - acc[0],
                      "below_peak": max(acc) - acc[-1], "ppo_s": ppo_s, "curve": acc})
+    if not rows:
+        return None
     gains = [r["gain"] for r in rows]
     return {"backend": backend, "seeds": rows, "gain_min": min(gains), "gain_median": statistics.median(gains),
             "gain_max": max(gains), "below_peak_max": max(r["below_peak"] for r in rows),
@@ -102,12 +105,13 @@ def main() -> None:
         for backend in args.backends:
             for seed in args.seeds:
                 run(args.out, backend, seed, overrides)
-    tables = [summary(args.out, b, args.seeds) for b in args.backends]
+    tables = [t for t in (summary(args.out, b, args.seeds) for b in args.backends) if t is not None]
     with open(os.path.join(args.out, "table.json"), "w") as f:
         json.dump(tables, f, indent=1)
     print(markdown(tables))
-    for backend in args.backends if args.trajectory else []:
-        for seed in args.seeds:
+    for t in tables if args.trajectory else []:
+        backend = t["backend"]
+        for seed in (r["seed"] for r in t["seeds"]):
             run_dir = _run_dir(args.out, backend, seed)
             print(f"\n{backend}, seed {seed}:\n" + trajectory(RunDir(run_dir).stats_rows(),
                                                                 read_jsonl(run_dir / "eval.jsonl")))

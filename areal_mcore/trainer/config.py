@@ -82,10 +82,13 @@ class SFTConfig:
     output_dir: str  # HF folder written at the end (the RL run's model_path)
     steps: int
     batch_size: int
+    lr: float | None = None  # None: actor.optimizer.lr (a warm-up from scratch wants more than RL's)
     response_template: str = "The answer is {solution}."
 
     def __post_init__(self):
         check_positive("steps", self.steps)
         check_positive("batch_size", self.batch_size)
+        if self.lr is not None:
+            check_positive("lr", self.lr)
         if "{solution}" not in self.response_template:
             raise field_error("response_template", self.response_template, "must contain {solution}")

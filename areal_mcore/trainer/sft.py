@@ -8,6 +8,8 @@ Legend: T packed tokens.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import random
 
 import torch
@@ -79,6 +81,28 @@ def train_sft(actor, pairs, *, steps: int, batch_size: int, seed: int = 1) -> li
     return losses
 
 
+RECIPE_FILE = "sft.json"  # in sft.output_dir: what wrote the model there
+
+
+def sft_recipe(cfg) -> dict:
+    """Everything that decides the SFT's model: written beside it, compared by
+    ``areal-mcore sft --if-changed`` so that a changed config retrains instead of reusing."""
+    s = cfg.sft
+    return {**dataclasses.asdict(s), "output_dir": None, "base_model": os.path.abspath(s.base_model),
+            "lr": s.lr if s.lr is not None else cfg.actor.optimizer.lr, "seed": cfg.seed,
+            "dataset": os.path.abspath(cfg.dataset.path), "instruction": cfg.dataset.instruction,
+            "dtype": cfg.actor.dtype}
+
+
+def sft_is_current(cfg) -> bool:
+    """Whether sft.output_dir holds the model this very recipe wrote."""
+    try:
+        with open(os.path.join(cfg.sft.output_dir, RECIPE_FILE)) as f:
+            return json.load(f) == sft_recipe(cfg)
+    except (OSError, ValueError):
+        return False
+
+
 def run_sft(cfg) -> list[float]:
     """``areal-mcore sft``: cfg.sft.base_model -> cfg.sft.output_dir (every rank calls); its
     paths checked first, as the CLI checks them (``load_config`` does not)."""
@@ -95,7 +119,9 @@ def run_sft(cfg) -> list[float]:
     if cfg.sft is None or cfg.dataset is None:
         raise ValueError("sft needs the config sections 'sft' and 'dataset'")
     s = cfg.sft
-    actor = MegatronActor(cfg.actor, AutoConfig.from_pretrained(s.base_model), seed=cfg.seed,
+    actor_cfg = cfg.actor if s.lr is None else dataclasses.replace(
+        cfg.actor, optimizer=dataclasses.replace(cfg.actor.optimizer, lr=s.lr))
+    actor = MegatronActor(actor_cfg, AutoConfig.from_pretrained(s.base_model), seed=cfg.seed,
                           total_optimizer_steps=s.steps)
     actor.load_hf_state_dict(load_hf_state_dict(s.base_model))
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or s.base_model)
@@ -105,4 +131,7 @@ def run_sft(cfg) -> list[float]:
     losses = train_sft(actor, pairs,
                        steps=s.steps, batch_size=s.batch_size, seed=cfg.seed)
     save_hf(actor, s.output_dir, tokenizer_dir=cfg.tokenizer_path or s.base_model)
+    if torch.distributed.get_rank() == 0:  # after the weights: a half-written folder has no recipe
+        with open(os.path.join(s.output_dir, RECIPE_FILE), "w") as f:
+            json.dump(sft_recipe(cfg), f, indent=1)
     return losses
