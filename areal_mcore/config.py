@@ -355,8 +355,12 @@ def _suggest(schema: type, key: str) -> str:
     by_sibling_leaf = {k.rpartition(".")[2]: k for k in siblings}
     close = [by_sibling_leaf[m] for m in difflib.get_close_matches(leaf, by_sibling_leaf, n=3, cutoff=0.6)]
     if not close:  # a key in the wrong section: match the leaf name anywhere
-        by_leaf = {k.rpartition(".")[2]: k for k in keys}
-        close = [by_leaf[m] for m in difflib.get_close_matches(leaf, by_leaf, n=3, cutoff=0.6)]
+        by_leaf: dict[str, list[str]] = {}  # a leaf may live in several sections: lr, seed
+        for k in keys:
+            by_leaf.setdefault(k.rpartition(".")[2], []).append(k)
+        close = [k for m in difflib.get_close_matches(leaf, by_leaf, n=3, cutoff=0.6) for k in by_leaf[m]]
+        section = key.partition(".")[0]
+        close.sort(key=lambda k: k.partition(".")[0] != section)  # the typed section's first
     if close:
         return "; did you mean " + " or ".join(repr(c) for c in close) + "?"
     return f"; valid keys here: {sorted(k.rpartition('.')[2] for k in siblings)}"

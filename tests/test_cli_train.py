@@ -20,7 +20,8 @@ def test_train_help_names_the_config_and_overrides(capsys):
 def test_a_misspelt_override_names_the_nearest_key(command, capsys):
     assert main([command, "--config", "configs/tiny_cpu.yaml", "actor.lrr=1"]) == 2
     err = capsys.readouterr().err
-    assert "unknown config key 'actor.lrr'" in err and "'actor.optimizer.lr'" in err
+    # the typed section's key first, then the other section's with that leaf
+    assert "unknown config key 'actor.lrr'; did you mean 'actor.optimizer.lr' or 'sft.lr'?" in err, err
 
 
 def test_a_missing_config_file_is_named(capsys):

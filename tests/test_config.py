@@ -37,7 +37,8 @@ def test_unknown_override_key_names_nearest_valid_key():
 
 
 def test_unknown_key_in_wrong_section_suggests_full_path():
-    with pytest.raises(ConfigError, match=r"did you mean 'actor\.optimizer\.lr'"):
+    # Every section with that leaf is named (a dict by leaf kept only the last one's).
+    with pytest.raises(ConfigError, match=r"did you mean 'actor\.optimizer\.lr' or 'sft\.lr'\?"):
         load_config(BOBA_7B, ["lr=1e-5"])
 
 
