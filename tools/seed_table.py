@@ -45,7 +45,7 @@ def warm_up() -> None:
 
 def run(out: str, backend: str, seed: int, overrides: list[str]) -> None:
     """One PPO run into ``out/<backend>/seed_<seed>``; its wall time in ``ppo_time.json``."""
-    log_dir = os.path.join(out, backend, f"seed_{seed}")
+    log_dir = _log_dir(out, backend, seed)
     server = ["server.backend=" + backend] + (["server.vllm.enforce_eager=true"] if backend == "vllm" else [])
     start = time.monotonic()
     # seed: the actor's initialisation and the prompt order; rollout.seed: the samples (and
@@ -53,22 +53,27 @@ def run(out: str, backend: str, seed: int, overrides: list[str]) -> None:
     seeds = [f"seed={seed}", f"rollout.seed={seed}", f"server.seed={seed}"]
     _cli("train", "--overwrite", "--config", CONFIG, *seeds, f"trainer.log_dir={log_dir}",
          "trainer.progress=false", *server, *overrides)
-    with open(os.path.join(log_dir, "ppo_time.json"), "w") as f:
+    with open(log_dir / "ppo_time.json", "w") as f:
         json.dump({"ppo_s": time.monotonic() - start, "overrides": overrides}, f)
 
 
+def _log_dir(out: str, backend: str, seed: int) -> Path:
+    """One run's trainer.log_dir: its run directory (below) and ppo_time.json."""
+    return Path(out, backend, f"seed_{seed}")
+
+
 def _run_dir(out: str, backend: str, seed: int) -> Path:
-    return Path(out, backend, f"seed_{seed}", "tiny-cpu")
+    return _log_dir(out, backend, seed) / "tiny-cpu"
 
 
 def summary(out: str, backend: str, seeds: list[int]) -> dict | None:
     rows = []
     for seed in seeds:
-        d = os.path.join(out, backend, f"seed_{seed}")
-        if not os.path.isfile(os.path.join(d, "ppo_time.json")):  # not run (yet), or did not finish
+        timing = _log_dir(out, backend, seed) / "ppo_time.json"
+        if not timing.is_file():  # not run (yet), or did not finish
             continue
         acc = [e["eval/accuracy"] for e in read_jsonl(_run_dir(out, backend, seed) / "eval.jsonl")]
-        ppo_s = json.load(open(os.path.join(d, "ppo_time.json")))["ppo_s"]
+        ppo_s = json.loads(timing.read_text())["ppo_s"]
         rows.append({"seed": seed, "first": acc[0], "last": acc[-1], "peak": max(acc), "gain": acc[-1] - acc[0],
                      "below_peak": max(acc) - acc[-1], "ppo_s": ppo_s, "curve": acc})
     if not rows:
