@@ -87,6 +87,10 @@ def test_if_changed_keeps_a_model_only_its_own_recipe_wrote(tmp_path):
     assert not sft_is_current(cfg())  # no sft.json: a model from before the recipe was recorded
     (tmp_path / RECIPE_FILE).write_text(json.dumps(sft_recipe(cfg())))
     assert sft_is_current(cfg())
-    for changed in ("sft.steps=7", "sft.lr=1e-3", "seed=2", "sft.base_model=elsewhere", "dataset.path=other.jsonl"):
+    for changed in ("sft.steps=7", "sft.lr=1e-3", "seed=2", "sft.base_model=elsewhere", "dataset.path=other.jsonl",
+                    "sft.lr_scheduler=linear", "actor.optimizer.weight_decay=0.1"):
         assert not sft_is_current(cfg(changed)), changed
-    assert sft_recipe(cfg("sft.lr=null"))["lr"] == cfg().actor.optimizer.lr  # unset: the actor's lr
+    # The PPO schedule is not the warm-up's: the tiny config pins sft.lr_scheduler.
+    assert sft_is_current(cfg("actor.optimizer.lr_scheduler=linear"))
+    unset = sft_recipe(cfg("sft.lr=null", "sft.lr_scheduler=null"))["optimizer"]  # unset: the actor's
+    assert (unset["lr"], unset["lr_scheduler"]) == (cfg().actor.optimizer.lr, cfg().actor.optimizer.lr_scheduler)

@@ -74,7 +74,7 @@ def test_a_short_tiny_ppo_run_on_vllm_raises_held_out_accuracy(tmp_path, warmed)
     assert all(e["eval/n_samples"] == 200 * 8 for e in evals)  # 200 held-out problems x 8 samples
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     print(f"held-out accuracy on vLLM: {before:.3f} -> {after:.3f} in {STEPS} steps")
-    # Measured: +0.114 in 60 steps (0.352 -> 0.466, one torch thread: the SFT model starts
+    # Measured: +0.138 in 60 steps (0.352 -> 0.490, one torch thread: the SFT model starts
     # higher than make run's 0.289 at two). The sampling noise of the difference is ~0.015
     # at 1600 samples per eval, so 0.03 is ~2 sd above no change. At lr 4e-4, on vLLM's
     # stale LM head, this test once fell to 0.001 in CI; on the corrected path lr 4e-4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from areal_mcore.actor.config import LR_SCHEDULERS
 from areal_mcore.checks import check_choice, check_positive, field_error
 from areal_mcore.trainer.wandb_log import WandbConfig
 
@@ -83,6 +84,8 @@ class SFTConfig:
     steps: int
     batch_size: int
     lr: float | None = None  # None: actor.optimizer.lr (a warm-up from scratch wants more than RL's)
+    # None: actor.optimizer.lr_scheduler; the rest of the optimizer is always the actor's
+    lr_scheduler: str | None = None
     response_template: str = "The answer is {solution}."
 
     def __post_init__(self):
@@ -90,5 +93,7 @@ class SFTConfig:
         check_positive("batch_size", self.batch_size)
         if self.lr is not None:
             check_positive("lr", self.lr)
+        if self.lr_scheduler is not None:
+            check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         if "{solution}" not in self.response_template:
             raise field_error("response_template", self.response_template, "must contain {solution}")

@@ -84,14 +84,22 @@ def train_sft(actor, pairs, *, steps: int, batch_size: int, seed: int = 1) -> li
 RECIPE_FILE = "sft.json"  # in sft.output_dir: what wrote the model there
 
 
+def sft_optimizer(cfg):
+    """The SFT's optimizer: the actor's, with ``sft.lr`` and ``sft.lr_scheduler`` where set
+    (a PPO schedule, e.g. cosine decay over the RL steps, is not the warm-up's)."""
+    s, o = cfg.sft, cfg.actor.optimizer
+    return dataclasses.replace(o, lr=o.lr if s.lr is None else s.lr,
+                               lr_scheduler=o.lr_scheduler if s.lr_scheduler is None else s.lr_scheduler)
+
+
 def sft_recipe(cfg) -> dict:
     """Everything that decides the SFT's model: written beside it, compared by
     ``areal-mcore sft --if-changed`` so that a changed config retrains instead of reusing."""
     s = cfg.sft
     return {**dataclasses.asdict(s), "output_dir": None, "base_model": os.path.abspath(s.base_model),
-            "lr": s.lr if s.lr is not None else cfg.actor.optimizer.lr, "seed": cfg.seed,
-            "dataset": os.path.abspath(cfg.dataset.path), "instruction": cfg.dataset.instruction,
-            "dtype": cfg.actor.dtype}
+            "lr": None, "lr_scheduler": None, "optimizer": dataclasses.asdict(sft_optimizer(cfg)),
+            "seed": cfg.seed, "dataset": os.path.abspath(cfg.dataset.path),
+            "instruction": cfg.dataset.instruction, "dtype": cfg.actor.dtype}
 
 
 def sft_is_current(cfg) -> bool:
@@ -119,8 +127,7 @@ def run_sft(cfg) -> list[float]:
     if cfg.sft is None or cfg.dataset is None:
         raise ValueError("sft needs the config sections 'sft' and 'dataset'")
     s = cfg.sft
-    actor_cfg = cfg.actor if s.lr is None else dataclasses.replace(
-        cfg.actor, optimizer=dataclasses.replace(cfg.actor.optimizer, lr=s.lr))
+    actor_cfg = dataclasses.replace(cfg.actor, optimizer=sft_optimizer(cfg))
     actor = MegatronActor(actor_cfg, AutoConfig.from_pretrained(s.base_model), seed=cfg.seed,
                           total_optimizer_steps=s.steps)
     actor.load_hf_state_dict(load_hf_state_dict(s.base_model))
