@@ -109,9 +109,10 @@ MCORE_BASE := tests/test_cpu_shims.py tests/test_actor.py tests/test_checkpoint.
 	tests/test_convert.py tests/test_weight_sync.py tests/test_sft.py tests/test_ppo_e2e.py \
 	tests/test_mcore_versions.py tests/test_moe.py tests/test_router_replay.py
 MCORE_TESTS := $(MCORE_BASE) \
-	tests/test_sequence_parallel.py::test_tp2_sequence_parallel_equals_tp2_and_saves_activation_memory
+	tests/test_sequence_parallel.py::test_tp2_sequence_parallel_equals_tp2_and_saves_activation_memory \
+	tests/test_context_parallel.py::test_cp2_gives_the_logprobs_losses_and_updates_of_cp1
 MCORE_TESTS_ALL := $(MCORE_BASE) tests/test_sequence_parallel.py tests/test_tied_pipeline.py \
-	tests/test_uneven_pipeline.py
+	tests/test_uneven_pipeline.py tests/test_context_parallel.py
 # Out of this stage (the main suite runs them on 0.16.1): they test the servers' session
 # and group rules and the loop's scheduling and stop file, whose megatron part (the TP/PP
 # gather, the HF export, the train step, checkpoint save and resume) the tests kept here

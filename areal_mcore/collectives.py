@@ -69,6 +69,16 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
     return _in_place(tensor, group, lambda t: dist.all_reduce(t, op=op, group=group))
 
 
+def all_reduce_with_grad(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of ``tensor`` over ``group``, as a new tensor whose backward all-reduces the
+    gradient as well (torch/distributed/nn/functional.py, ``_AllReduce.backward``): for a
+    sum that every rank's own loss reads. Tensors stay where they are (the autograd graph
+    cannot follow a staging copy), so they must be on a device the group serves."""
+    from torch.distributed.nn.functional import all_reduce as all_reduce_autograd
+
+    return all_reduce_autograd(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """In-place broadcast from global rank ``src``; returns ``tensor``."""
     return _in_place(tensor, group, lambda t: dist.broadcast(t, src=src, group=group))

@@ -161,6 +161,12 @@ class ExperimentConfig(InferenceConfig):
         self.ppo = dataclasses.replace(ppo, loss_norm_tokens=self.rollout.max_new_tokens)
 
     def _check_allocation(self) -> None:
+        if (cp := self.actor.parallel.cp) > 1:
+            # The actor splits sequences over CP ranks for logprobs, but trains and
+            # dispatches data without CP yet (docs/actor.md, "Context parallelism").
+            raise ValueError(f"actor.parallel.cp={cp}: context parallelism is not supported for training "
+                             f"or SFT yet; set actor.parallel.cp=1 and use tensor parallelism (t in "
+                             f"launch.allocation) or actor.recompute=true for long sequences")
         # The allocation decides which nodes and GPUs the rollout side gets, server.backend
         # which command runs there: they must name the same engine.
         launch, server = self.launch, self.server

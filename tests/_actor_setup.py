@@ -31,14 +31,14 @@ def ppo_loss(logp, mb, tokens, seqs):
 
 
 def tiny_actor(tp=1, pp=1, cap=4096, tie=False, recompute=False, sp="auto", layers=4,
-               first_stage_layers=None, shape=None, arch="qwen2", ep=1):
+               first_stage_layers=None, shape=None, arch="qwen2", ep=1, cp=1):
     """A MegatronActor loaded with ``tiny_model(arch)``'s weights (``shape``: its keywords)."""
     from areal_mcore.actor.megatron_actor import MegatronActor
 
     hf_config, state, _ = tiny_model(arch, tie=tie, vocab=VOCAB, layers=layers, **(shape or {}))
     cfg = ActorConfig(mb_spec=MicroBatchSpec(max_tokens_per_mb=cap),
                       optimizer=OptimizerConfig(lr=1e-3, eps=1e-5, weight_decay=0.01),  # boba eps
-                      parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=sp,
+                      parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, cp=cp, sequence_parallel=sp,
                                               first_stage_layers=first_stage_layers),
                       vocab_divisible_by=8, recompute=recompute)
     actor = MegatronActor(cfg, hf_config, total_optimizer_steps=2)

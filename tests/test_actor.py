@@ -1,5 +1,7 @@
 """The megatron-core actor on CPU: HF parity, THD packing, TP/PP/DP training parity."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -164,12 +166,14 @@ def test_train_step_with_activation_recompute_equals_without(reference_step):
     _assert_same_step(run_gloo(_train_worker, 1, 1, 1, True), reference_step)
 
 
-@pytest.mark.parametrize("pad", [1, 4])
-def test_the_loss_gets_the_micro_batch_on_the_actors_device(pad):
+@pytest.mark.parametrize("pad,cp", [(1, 1), (4, 1), (4, 2)])
+def test_the_loss_gets_the_micro_batch_on_the_actors_device(pad, cp):
     """On a GPU the logprobs are on the device: the loss's mask and advantages must be too
     (sft_loss multiplied GPU logprobs by a CPU mask). The emulated device refuses the mix.
     Without padding the four cu_seqlens fields are one tensor (TE 2.4-2.10 compares the
-    padded ones with the true ones on the device, a sync per layer, unless they are)."""
+    padded ones with the true ones on the device, a sync per layer, unless they are).
+    Under CP the model gets this rank's tokens, and the loss this rank's share of the
+    micro-batch (its index tensors built on the host and moved)."""
     from types import SimpleNamespace
 
     from _fake_cuda import FakeCuda, is_fake_cuda
@@ -186,13 +190,19 @@ def test_the_loss_gets_the_micro_batch_on_the_actors_device(pad):
         return torch.randn(1, ids.shape[1], 8, device="cuda")  # logits on the GPU
 
     def loss_func(mb, logits):
-        return sft_loss(logits[0].log_softmax(-1)[:, 0], mb, torch.tensor(3.0))
+        logp, _, mb = MegatronActor._logprobs(actor, mb, logits, temperature=1.0)
+        assert all(is_fake_cuda(t) for t in (logp, mb.input_ids, mb.cu_seqlens_padded, *mb.fields.values()))
+        return sft_loss(logp, mb, torch.tensor(3.0))
 
     with FakeCuda():
-        actor = SimpleNamespace(device=torch.device("cuda", 0))
+        actor = SimpleNamespace(device=torch.device("cuda", 0), args=SimpleNamespace(vocab_size=8),
+                                cfg=SimpleNamespace(logprob_kernel="torch"), _router_counts=None,
+                                groups=SimpleNamespace(cp_size=cp, cp_rank=0, cp=None, tp_rank=0, tp=None))
+        actor._cp_index = partial(MegatronActor._cp_index, actor)
         logits, on_logits = MegatronActor._forward_step(actor, loss_func, iter([mb]), model)
         loss, _ = on_logits(logits)
     assert is_fake_cuda(loss) and is_fake_cuda(seen["ids"])
+    assert seen["ids"].shape[1] == mb.input_ids.numel() // cp
     p = seen["params"]
     assert all(is_fake_cuda(t) for t in (p.cu_seqlens_q, p.cu_seqlens_q_padded))
     assert (p.cu_seqlens_q_padded is p.cu_seqlens_q) == (pad == 1)
@@ -220,7 +230,7 @@ def test_the_micro_batch_loop_never_waits_for_the_device(tp, built_on):
     fields = {k: [v.float() for v in vs] for k, vs in _train_fields(seqs).items()}
     actor = SimpleNamespace(device=torch.device("cuda", 0), args=SimpleNamespace(vocab_size=vocab),
                             cfg=SimpleNamespace(logprob_kernel="torch"), _router_counts=None,
-                            groups=SimpleNamespace(tp_rank=0, tp=None, tp_size=tp),
+                            groups=SimpleNamespace(tp_rank=0, tp=None, tp_size=tp, cp_size=1),
                             config=SimpleNamespace(sequence_parallel=tp > 1))
 
     def model(ids, pos, attention_mask, packed_seq_params):
@@ -230,7 +240,7 @@ def test_the_micro_batch_loop_never_waits_for_the_device(tp, built_on):
         return torch.randn(1, ids.shape[1], vocab, device="cuda")
 
     def loss_func(mb, logits):
-        logp, _ = MegatronActor._logprobs(actor, mb, logits, temperature=1.0)
+        logp, _, _ = MegatronActor._logprobs(actor, mb, logits, temperature=1.0)
         return _ppo_loss(logp, mb, tokens, None)
 
     with FakeCuda() as device:
@@ -238,7 +248,7 @@ def test_the_micro_batch_loop_never_waits_for_the_device(tp, built_on):
         on = [s.to(built_on) for s in seqs], {k: [v.to(built_on) for v in vs] for k, vs in fields.items()}
         batch = pack(*on)
         device.syncs.clear()
-        sub = MegatronActor._tp_aligned(actor, batch)
+        sub = MegatronActor._aligned(actor, batch)
         micro = sub.select_many(allocate_micro_batches(sub.seqlens_padded, cap))
         planning = list(device.syncs)
         for mb in micro:

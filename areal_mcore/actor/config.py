@@ -74,6 +74,11 @@ class ParallelConfig:
     # split over TP exactly like a dense MLP (expert-TP = TP), so tp x ep x pp must divide
     # the world size (parallel_state.initialize_model_parallel). 1 for a dense model.
     ep: int = 1
+    # Context parallelism: each packed sequence split over cp ranks (packing/cp.py), its
+    # K/V exchanged in attention. The CP group lies inside the data-parallel dimension
+    # (megatron's rank order tp-cp-ep-dp-pp, parallel_state.initialize_model_parallel):
+    # CP ranks hold the same sequences and gradients reduce over DP x CP.
+    cp: int = 1
     # Megatron sequence parallelism: activations outside the TP regions (norms, residual)
     # sharded over the TP ranks along the tokens. "auto": on when tp > 1 (as slime, AReaL
     # and verl run TP); "true"/"false" force it.
@@ -87,6 +92,7 @@ class ParallelConfig:
         check_positive("tp", self.tp)
         check_positive("pp", self.pp)
         check_positive("ep", self.ep)
+        check_positive("cp", self.cp)
         self.sequence_parallel = str(self.sequence_parallel).lower()
         check_choice("sequence_parallel", self.sequence_parallel, SEQUENCE_PARALLEL)
         for key in ("first_stage_layers", "last_stage_layers"):

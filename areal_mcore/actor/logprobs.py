@@ -30,9 +30,13 @@ def token_logprobs_entropy(logits_TV: torch.Tensor, input_ids_T: torch.Tensor,
     targets_T = torch.roll(input_ids_T, -1)
     next_T, ent_T = logprob_entropy(logits_TV, targets_T, vocab_size=vocab_size, tp_rank=tp_rank,
                                     tp_group=tp_group, temperature=temperature, kernel=kernel)
-    starts = cu_seqlens_B1[:-1].long()
-    return (torch.roll(next_T, 1).index_fill(0, starts, 0.0),
-            torch.roll(ent_T, 1).index_fill(0, starts, 0.0))
+    return token_aligned(next_T, cu_seqlens_B1), token_aligned(ent_T, cu_seqlens_B1)
+
+
+def token_aligned(next_T: torch.Tensor, cu_seqlens_B1: torch.Tensor) -> torch.Tensor:
+    """Values of the position that predicts each token (``next_T[t]`` scores token t + 1)
+    moved onto that token: ``out[t] = next_T[t - 1]``, 0 at each sequence's first token."""
+    return torch.roll(next_T, 1).index_fill(0, cu_seqlens_B1[:-1].long(), 0.0)
 
 
 def token_logprobs(logits_TV: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlens_B1: torch.Tensor,

@@ -32,9 +32,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from areal_mcore import accel, collectives
 from areal_mcore.actor import router_replay
 from areal_mcore.actor.config import ActorConfig
-from areal_mcore.actor.logprobs import token_logprobs_entropy
+from areal_mcore.actor.logprobs import token_aligned, token_logprobs_entropy
 from areal_mcore.actor.parallel import ParallelGroups, init_parallel
 from areal_mcore.devices import check_bound
+from areal_mcore.kernels.logprob import logprob_entropy
 from areal_mcore.model import adapter
 from areal_mcore.model.args import (
     ModelArgs,
@@ -52,6 +53,7 @@ from areal_mcore.packing import (
     pack,
     unpack,
 )
+from areal_mcore.packing.cp import cp_gather, cp_token_index, cp_view, shift_left
 from areal_mcore.packing.thd import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -137,7 +139,7 @@ class MegatronActor:
                                     first_stage_layers=p.first_stage_layers,
                                     last_stage_layers=p.last_stage_layers,
                                     on_gpu=found.cuda, fused=use_te, ep_size=g.ep_size,
-                                    moe_grouped_gemm=use_te,
+                                    moe_grouped_gemm=use_te, cp_size=g.cp_size,
                                     gradient_accumulation_fusion=accel.wgrad_fusion(
                                         cfg.gradient_accumulation_fusion, found))
         model = build_gpt_model(self.args, config, padded_vocab=self.padded_vocab,
@@ -296,17 +298,33 @@ class MegatronActor:
             # megatron checkpoints whole layers only in training (TransformerBlock.forward)
             recompute = model.training and self.config.recompute_granularity == "full"
             router_replay.start(routers, experts, self.cfg.router_replay, recompute)
-        output = model(mb.input_ids.unsqueeze(0), mb.position_ids.unsqueeze(0), attention_mask=None,
+        # Under CP this rank's tokens only, with the whole row's cu_seqlens in ``params``
+        # (packing/cp.py says why); the position ids are unused by RoPE, which megatron
+        # derives from the cu_seqlens per CP rank (rope_utils.py, _apply_rotary_pos_emb_thd).
+        ids_T, pos_T = mb.input_ids, mb.position_ids
+        if self.groups.cp_size > 1:
+            local = self._cp_index(mb)
+            ids_T, pos_T = ids_T[local], pos_T[local]
+        output = model(ids_T.unsqueeze(0), pos_T.unsqueeze(0), attention_mask=None,
                        packed_seq_params=params)
         if experts is not None and self._router_counts is not None:
             real_T = torch.zeros(mb.input_ids.numel(), dtype=torch.bool)
             for start, n in zip(accumulate(mb.seqlens_padded[:-1], initial=0), mb.seqlens, strict=True):
                 real_T[start:start + n] = True
-            real = to_device(self._local_tokens(real_T), self.device)
+            real = self._local_tokens(to_device(real_T, self.device), mb)
             self._router_counts += router_replay.disagreement_counts(routers, experts, real)
         return output, partial(loss_func, mb)
 
-    def _local_tokens(self, x_T: torch.Tensor) -> torch.Tensor:
+    def _cp_index(self, mb: PackedBatch) -> torch.Tensor:
+        """Positions in ``mb``'s packed row of this CP rank's tokens, on the device."""
+        g = self.groups
+        return to_device(cp_token_index(mb.seqlens_padded, g.cp_size, g.cp_rank), self.device)
+
+    def _local_tokens(self, x_T: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
+        """The rows of a per-token tensor of ``mb`` that this rank's layers see: its CP
+        chunks, then its TP slice of them under sequence parallelism."""
+        if self.groups.cp_size > 1:
+            x_T = x_T[self._cp_index(mb).to(x_T.device)]
         return router_replay.local_tokens(x_T, self.groups.tp_rank, self.groups.tp_size,
                                           self.config.sequence_parallel)
 
@@ -327,29 +345,51 @@ class MegatronActor:
             raise ValueError(f"the batch's {router_replay.FIELD} field has shape {shape}; expected [tokens, "
                              f"{want[0]} layers, {want[1]} experts] (the engines' format)")
         assert len(routers) == len(self._stage_moe_layers), "one router per MoE layer of the stage"
-        return routers, self._local_tokens(experts[:, self._stage_moe_layers])
+        return routers, self._local_tokens(experts[:, self._stage_moe_layers], mb)
 
     def _logprobs(self, mb: PackedBatch, logits_1TV: torch.Tensor,
-                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logp_T, entropy_T); ``mb`` is the micro-batch ``_forward_step`` moved to the
-        device. The fused kernel computes both in one pass; an entropy the loss leaves
-        unused costs no backward work (``kernels.logprob``)."""
-        return token_logprobs_entropy(logits_1TV.squeeze(0), mb.input_ids, mb.cu_seqlens_padded,
-                                      vocab_size=self.args.vocab_size,
-                                      tp_rank=self.groups.tp_rank, tp_group=self.groups.tp,
-                                      temperature=temperature, kernel=self.cfg.logprob_kernel)
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor, PackedBatch]:
+        """(logp_T, entropy_T, the micro-batch they align with); ``mb`` is the micro-batch
+        ``_forward_step`` moved to the device. The fused kernel computes both in one pass;
+        an entropy the loss leaves unused costs no backward work (``kernels.logprob``).
 
-    def _tp_aligned(self, batch: PackedBatch) -> PackedBatch:
+        Without CP they align with ``mb``'s own tokens. Under CP the logits are this
+        rank's tokens only, and a chunk's last position predicts another chunk's first
+        token: so the targets are taken from the whole row, and the results align with
+        this rank's share of ``mb`` at the predicting positions (``packing.cp.cp_view``),
+        whose fields the loss reads."""
+        g = self.groups
+        if g.cp_size > 1:
+            view = cp_view(mb, g.cp_size, g.cp_rank, g.cp)
+            targets = shift_left(mb.input_ids, mb.seqlens_padded)[self._cp_index(mb)]
+            logp, ent = logprob_entropy(logits_1TV.squeeze(0), targets, vocab_size=self.args.vocab_size,
+                                        tp_rank=g.tp_rank, tp_group=g.tp, temperature=temperature,
+                                        kernel=self.cfg.logprob_kernel)
+            return logp, ent, view
+        logp, ent = token_logprobs_entropy(logits_1TV.squeeze(0), mb.input_ids, mb.cu_seqlens_padded,
+                                           vocab_size=self.args.vocab_size, tp_rank=g.tp_rank, tp_group=g.tp,
+                                           temperature=temperature, kernel=self.cfg.logprob_kernel)
+        return logp, ent, mb
+
+    def _aligned(self, batch: PackedBatch) -> PackedBatch:
         """``batch`` with every sequence padded to a multiple of TP under sequence parallelism:
         megatron scatters the packed row over the TP ranks along the tokens and asserts that
-        they divide evenly (tensor_parallel/mappings.py, ``_reduce_scatter_along_first_dim``).
-        Padding sits at the end of each segment, so causal attention keeps the real tokens'
-        numbers, and the padded positions carry zero fields (masked out of the loss)."""
-        m = self.groups.tp_size if self.config.sequence_parallel else 1
+        they divide evenly (tensor_parallel/mappings.py, ``_reduce_scatter_along_first_dim``);
+        and of 2·cp under context parallelism (each sequence in 2·cp equal chunks,
+        packing/cp.py), 2·cp·tp with both. Padding sits at the end of each segment, so causal
+        attention keeps the real tokens' numbers, and the padded positions carry zero fields
+        (masked out of the loss)."""
+        g = self.groups
+        m = (g.tp_size if self.config.sequence_parallel else 1) * (2 * g.cp_size if g.cp_size > 1 else 1)
         if batch.pad_to_multiple_of % m == 0:
             return batch
         seqs, fields = unpack(batch)
         return pack(seqs, fields, pad_to_multiple_of=math.lcm(batch.pad_to_multiple_of, m))
+
+    def _mb_budget(self) -> int:
+        """Tokens of the whole row per micro-batch: ``max_tokens_per_mb`` is what one rank
+        holds, and a CP rank holds 1/cp of each sequence."""
+        return self.cfg.mb_spec.max_tokens_per_mb * self.groups.cp_size
 
     def _run(self, micro_batches: list[PackedBatch], loss_func, forward_only: bool,
              model: torch.nn.Module | None = None):
@@ -381,20 +421,22 @@ class MegatronActor:
         g = self.groups
         module = self.model if model is None else model
         module.eval()
-        aligned = self._tp_aligned(batch)
+        aligned = self._aligned(batch)
         lens = aligned.seqlens_padded
-        bins = allocate_micro_batches(lens, self.cfg.mb_spec.max_tokens_per_mb,
+        bins = allocate_micro_batches(lens, self._mb_budget(),
                                       min_mbs=min(g.pp_size, len(lens)))
         micro = aligned.select_many(bins)
 
         def loss_func(mb, logits):
-            logp, _ = self._logprobs(mb, logits, temperature)
+            logp, _, _ = self._logprobs(mb, logits, temperature)
+            if g.cp_size > 1:  # this rank's predicting positions -> the whole row's tokens
+                logp = token_aligned(cp_gather(logp, mb.seqlens_padded, g.cp_size, g.cp), mb.cu_seqlens_padded)
             return logp.sum() * 0.0, {"logprobs": logp}
 
         measure = model is None and router_replay.FIELD in batch.fields
         # float64: counts stay exact past float32's 2^24 (tokens x MoE layers of a step)
         self._router_counts = torch.zeros(2, dtype=torch.float64, device=self.device) if measure else None
-        if stop is not None and g.tp_size == g.pp_size == g.ep_size == 1:
+        if stop is not None and g.tp_size == g.pp_size == g.ep_size == g.cp_size == 1:
             outputs = []
             for mb in micro:
                 if stop():
@@ -420,11 +462,11 @@ class MegatronActor:
 
     def _reduce_router_counts(self) -> float | None:
         """The disagreement over every rank: DP ranks hold other sequences, PP stages other
-        layers, TP ranks under sequence parallelism other tokens (without it TP ranks count
-        the same entries, which scales both sums alike)."""
+        layers, CP ranks and TP ranks under sequence parallelism other tokens (without SP
+        TP ranks count the same entries, which scales both sums alike)."""
         c, g = self._router_counts, self.groups
         self._router_counts = None
-        for group in (g.dp, g.tp, g.pp):
+        for group in (g.dp, g.cp, g.tp, g.pp):
             collectives.all_reduce(c, group)
         differing, compared = c.tolist()
         return differing / compared if compared > 0 else None
@@ -470,7 +512,7 @@ class MegatronActor:
             result["grad_norm"].append(float(grad_norm) if grad_norm is not None else float("nan"))
             result["n_micro_batches"].append(len(micro))
         if reduce_stats is not None and g.is_last_stage:
-            result["stats"] = reduce_stats(result["micro_stats"], g.dp)
+            result["stats"] = reduce_stats(result["micro_stats"], g.dp_cp)  # CP ranks hold other tokens
         result["tokens"] = int(batch.input_ids.numel())
         result["lr"] = self.optimizer.param_groups[0]["lr"]  # after this step's scheduler updates
         result["time_s"] = time.perf_counter() - t0
@@ -492,27 +534,29 @@ class MegatronActor:
         totals = (counts[0].clamp(min=1.0), counts[2].clamp(min=1.0))
         if sub is None:
             sub = _placeholder(batch, max(int(counts[1]), 1))
-        sub = self._tp_aligned(sub)
+        sub = self._aligned(sub)
         lens = sub.seqlens_padded
-        bins = allocate_micro_batches_synced(lens, self.cfg.mb_spec.max_tokens_per_mb, group=g.dp,
+        bins = allocate_micro_batches_synced(lens, self._mb_budget(), group=g.dp,
                                              min_mbs=min(g.pp_size, len(lens)))
         return sub.select_many(bins), totals
 
     def _forward_backward(self, micro: list[PackedBatch], loss_fn: LossFn,
                           counts: tuple[torch.Tensor, torch.Tensor],
                           temperature: float, entropy: bool) -> tuple[torch.Tensor, list[dict]]:
-        """Gradients of one minibatch; returns its loss (summed over micro-batches and DP,
+        """Gradients of one minibatch; returns its loss (summed over micro-batches, DP and CP,
         on every rank) and the loss function's per-micro-batch stats (last stage)."""
         g, n_mb = self.groups, len(micro)
 
         def loss_func(mb, logits):
-            logp, ent = self._logprobs(mb, logits, temperature=temperature)
+            logp, ent, mb = self._logprobs(mb, logits, temperature=temperature)
             loss, stats = loss_fn(logp, mb, *counts, **({"entropy_T": ent} if entropy else {}))
             stats = {**stats, "loss": loss.detach().clone()}
-            # megatron divides each micro-batch loss by num_microbatches (schedules.py,
-            # forward_step) and DDP averages grads over DP (gradient_scaling_factor =
-            # 1/dp); our loss is already normalised by a global count, so
-            # both divisions are undone here to keep the sum an exact mean.
+            # megatron divides each micro-batch loss by num_microbatches and multiplies it by
+            # the CP size (schedules.py, forward_step: the 2-tuple loss_func branch), and DDP
+            # averages grads over DP x CP (gradient_scaling_factor = 1 / dp_cp_group.size(),
+            # distributed_data_parallel.py); our loss is already normalised by a global
+            # count, each CP rank's over its own tokens, so all three are undone here to
+            # keep the sum over DP x CP an exact mean (the CP factors cancel).
             return loss * n_mb * g.dp_size, stats
 
         self.model.zero_grad_buffer()
@@ -521,7 +565,7 @@ class MegatronActor:
         loss = torch.zeros((), device=self.device)
         if g.is_last_stage:
             loss = sum(o["loss"] for o in outputs).float()
-        collectives.all_reduce(loss, g.dp)
+        collectives.all_reduce(loss, g.dp_cp)
         if g.pp_size > 1:
             collectives.broadcast(loss, g.pp_last_rank, g.pp)
         return loss, outputs

@@ -20,7 +20,9 @@ class ParallelGroups:
 
     tp: dist.ProcessGroup
     pp: dist.ProcessGroup
-    dp: dist.ProcessGroup
+    dp: dist.ProcessGroup  # data parallel, without the CP ranks (same dp_rank across a CP group)
+    cp: dist.ProcessGroup  # the ranks that split each sequence (size 1: CP off)
+    dp_cp: dist.ProcessGroup  # DP x CP: where gradients reduce and loss counts add up
     mp: dist.ProcessGroup  # TP x PP ranks of this data-parallel replica
     ep: dist.ProcessGroup  # ranks whose experts together make every expert (size 1: EP off)
     # expert-TP x EP x PP: one whole copy of the model, experts included (at EP=1 the same
@@ -33,6 +35,8 @@ class ParallelGroups:
     pp_size: int
     dp_rank: int
     dp_size: int
+    cp_rank: int
+    cp_size: int
     ep_rank: int
     ep_size: int
     pp_last_rank: int  # global rank of the last stage in this rank's pipeline
@@ -56,8 +60,8 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> ParallelGroups:
     if not dist.is_initialized():
         raise RuntimeError("init_process_group first (torchrun, or gloo in tests)")
     world = dist.get_world_size()
-    if world % (cfg.tp * cfg.pp):
-        raise ValueError(f"world size {world} is not divisible by tp={cfg.tp} x pp={cfg.pp}")
+    if world % (cfg.tp * cfg.pp * cfg.cp):
+        raise ValueError(f"world size {world} is not divisible by tp={cfg.tp} x pp={cfg.pp} x cp={cfg.cp}")
     # megatron lays the expert grid (expert-TP x EP x expert-DP x PP) over the same world
     # as TP x DP x PP and raises a RuntimeError when expert-TP x EP x PP does not divide it
     # (parallel_state.initialize_model_parallel, "expert rank generator"). With expert-TP =
@@ -72,6 +76,7 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> ParallelGroups:
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+        context_parallel_size=cfg.cp,
         # Expert-TP = TP (megatron's default when None): each expert is split over the TP
         # group like a dense MLP, so the adapter's TP sharding of experts holds at any EP,
         # and the expert-TP group is the TP group the actor gathers over.
@@ -82,6 +87,10 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> ParallelGroups:
         tp=mpu.get_tensor_model_parallel_group(),
         pp=mpu.get_pipeline_model_parallel_group(),
         dp=mpu.get_data_parallel_group(),
+        cp=mpu.get_context_parallel_group(),
+        dp_cp=mpu.get_data_parallel_group(with_context_parallel=True),
+        cp_rank=mpu.get_context_parallel_rank(),
+        cp_size=cfg.cp,
         mp=mpu.get_model_parallel_group(),
         tp_rank=mpu.get_tensor_model_parallel_rank(),
         tp_size=cfg.tp,

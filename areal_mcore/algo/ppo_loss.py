@@ -61,6 +61,7 @@ def ppo_actor_loss(
     ref_logprobs_T: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    seq_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO loss of one micro-batch and its token-summed stats.
 
@@ -109,6 +110,11 @@ def ppo_actor_loss(
         behav_imp_weight_cap: the behaviour weight's cap (None: no cap).
         cu_seqlens_B1: sequence boundaries in the packed layout (padding included);
             needed by every sequence-level option.
+        seq_group: under context parallelism, the CP group over which each sequence's
+            tokens are spread (``PackedBatch.cp_group``): the per-sequence sums inside the
+            terms (GSPO's mean log-ratio, the sequence weight, |y_i|) add up over it, while
+            each rank aggregates its own tokens' terms, so the ranks' losses add up to the
+            loss of the whole sequences.
         num_global_seqs: G above; needed by the ``seq-mean-*`` modes.
         loss_agg_mode, loss_norm_tokens, importance_sampling_level,
         behav_imp_weight_level, behav_imp_weight_mode: as above, named as the ``ppo.``
@@ -131,7 +137,7 @@ def ppo_actor_loss(
     logp = logprobs_T.to(dtype)
     prox = proximal_logprobs_T.detach().to(dtype)
     per_seq = "sequence" in (importance_sampling_level, behav_imp_weight_level) or loss_agg_mode != "token-mean"
-    seq = _Segments(cu_seqlens_B1, logp.numel()) if per_seq else None  # boba's loss needs none
+    seq = _Segments(cu_seqlens_B1, logp.numel(), seq_group) if per_seq else None  # boba's loss needs none
     bad = ~torch.isfinite(prox)
     over_cap = torch.zeros_like(mask)
     log_w = torch.zeros_like(prox)
@@ -216,7 +222,7 @@ def _aggregate(token_T: torch.Tensor, *, mask, seq, loss_agg_mode, num_global_to
     ``ppo_actor_loss``); ``seq`` is the batch's ``_Segments`` (None for token-mean)."""
     if loss_agg_mode == "token-mean":
         return token_T.sum() / num_global_tokens
-    per_seq_B = seq.sum(token_T)
+    per_seq_B = seq.local_sum(token_T)  # linear in the tokens: each CP rank sums its own
     if loss_agg_mode == "seq-mean-token-mean":  # |y_i| = 0 only where the sum is 0
         per_seq_B = per_seq_B / seq.sum(mask.to(token_T.dtype)).clamp(min=1.0)
     elif loss_agg_mode == "seq-mean-token-sum-norm":
@@ -226,17 +232,25 @@ def _aggregate(token_T: torch.Tensor, *, mask, seq, loss_agg_mode, num_global_to
 
 class _Segments:
     """Per-sequence sums over a packed row and their spread back onto its tokens (B
-    sequences of ``cu_seqlens_B1``, T tokens); no host sync."""
+    sequences of ``cu_seqlens_B1``, T tokens); no host sync. With ``group`` (context
+    parallelism) the row holds this rank's share of each sequence: ``sum`` adds the
+    shares over the group, differentiably (the backward all-reduces too: every rank's
+    loss depends on every rank's tokens), ``local_sum`` is this rank's share alone."""
 
-    def __init__(self, cu_seqlens_B1: torch.Tensor, T: int):
+    def __init__(self, cu_seqlens_B1: torch.Tensor, T: int, group: dist.ProcessGroup | None = None):
+        self.group = group
         cu = cu_seqlens_B1.to(torch.long)
         self.B = cu.numel() - 1
         tokens_T = torch.arange(T, device=cu.device)
         # sequence of each token (a token past the last boundary, if any, joins the last)
         self.seq_T = torch.searchsorted(cu[1:], tokens_T, right=True).clamp(max=self.B - 1)
 
-    def sum(self, x_T: torch.Tensor) -> torch.Tensor:
+    def local_sum(self, x_T: torch.Tensor) -> torch.Tensor:
         return x_T.new_zeros(self.B).index_add(0, self.seq_T, x_T)
+
+    def sum(self, x_T: torch.Tensor) -> torch.Tensor:
+        x_B = self.local_sum(x_T)
+        return x_B if self.group is None else collectives.all_reduce_with_grad(x_B, self.group)
 
     def spread(self, x_B: torch.Tensor) -> torch.Tensor:
         return x_B[self.seq_T]

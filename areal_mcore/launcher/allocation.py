@@ -3,8 +3,9 @@
 ``sglang:d4t2+megatron:d2p2t4`` = 4 SGLang servers of tensor-parallel size 2 (8 GPUs) and a
 megatron trainer with DP 2 x PP 2 x TP 4 (16 GPUs). Letters per side, any order, each at
 most once, missing ones = 1: ``d`` data parallel (servers on the rollout side), ``t``
-tensor, ``p`` pipeline, ``c`` context parallel (trainer only; refused for now: the actor has no
-context parallelism, so ``c`` would silently become data parallelism), ``e`` expert parallel
+tensor, ``p`` pipeline, ``c`` context parallel (trainer only; refused for now: the trainer's
+dispatch, the launcher and the planner do not pass it on yet, so ``c`` would silently become data
+parallelism), ``e`` expert parallel
 (trainer only; ``actor.parallel.ep``, which config loading requires to agree). The rollout
 backend is ``sglang``, ``vllm`` or ``embedded`` (the CPU server: its "GPUs" are processes).
 
@@ -154,13 +155,13 @@ def _check_trainer(trainer: Side, text: str) -> None:
 
 
 def _refuse_cp(trainer: Side, text: str) -> None:
-    # The trainer passes only tp/pp to megatron: c would silently become more data
+    # Nothing passes c on to actor.parallel.cp yet: it would silently become more data
     # parallelism (megatron:d8c2t2 -> 16 replicas of 2 GPUs each).
     if trainer.c > 1:
         raise AllocationError(
             f"allocation {text!r}: context parallelism (c{trainer.c}) is not supported yet (the actor "
-            f"would need context_parallel_size, sequences split across CP ranks and CP-aware "
-            f"logprobs); use tensor parallelism (t) or activation recompute (actor.recompute=true) "
+            f"splits sequences over CP ranks, but the trainer's data dispatch, the launcher and the "
+            f"memory planner do not); use tensor parallelism (t) or activation recompute (actor.recompute=true) "
             f"for long sequences, e.g. {dataclasses.replace(trainer, t=trainer.t * trainer.c, c=1)}")
 
 

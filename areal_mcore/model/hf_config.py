@@ -32,7 +32,7 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
                        last_stage_layers: int | None = None, on_gpu: bool = False,
                        fused: bool = False, gradient_accumulation_fusion: bool = False,
                        moe_aux_loss_coeff: float = 0.0, ep_size: int = 1,
-                       moe_grouped_gemm: bool = False) -> TransformerConfig:
+                       moe_grouped_gemm: bool = False, cp_size: int = 1) -> TransformerConfig:
     """The megatron config for ``args`` under the given parallelism.
 
     ``recompute`` turns on activation recomputation: ``full`` reruns each layer's forward
@@ -47,6 +47,7 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
     ``ep_size``: expert parallelism (each rank builds ``num_experts / ep_size`` experts).
     ``moe_grouped_gemm``: an MoE layer's local experts as one grouped GEMM per projection
     (megatron's TEGroupedMLP; with TE's layer spec, block_spec reads it).
+    ``cp_size``: context parallelism (the attention core exchanges K/V over the CP group).
     """
     check_expert_parallel(args, ep_size)
     stage_layer_counts(args.num_layers, pp_size, first_stage_layers, last_stage_layers)  # validates
@@ -86,6 +87,7 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
+        context_parallel_size=cp_size,
         sequence_parallel=sequence_parallel and tp_size > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,

@@ -36,6 +36,9 @@ class PackedBatch:
     seqlens_padded: list[int]  # segment lengths of the layout (what micro-batch budgets count), on the host
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # each [T] or [T, ...]
     pad_to_multiple_of: int = 1
+    # Set on one context-parallel rank's share of a micro-batch (packing/cp.py, ``cp_view``):
+    # each sequence's tokens are spread over this group, so per-sequence sums add up over it.
+    cp_group: object | None = None
 
     @property
     def num_seqs(self) -> int:

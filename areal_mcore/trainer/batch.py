@@ -39,7 +39,7 @@ def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | Non
                    pad_to_multiple_of: int = 1) -> PackedBatch:
     """Packs ``samples`` (``rollout.controller.Sample``: prompt_ids, output_ids, logprobs,
     versions, reward) with fields loss_mask, behave (rollout logprobs), versions, adv and
-    empty_response (1 on the first token of a sample whose response is empty).
+    empty_response (1 on the last token of a sample whose response is empty).
 
     Groups must be contiguous (as the controller returns them) for group normalisation.
     An empty response (a server may return none on abort, or when the prompt fills the
@@ -135,7 +135,9 @@ def _per_sequence(shard: RolloutShard) -> tuple[list[torch.Tensor], dict[str, li
     versions_T = torch.full((T,), -1, dtype=torch.int64, device=device)
     versions_T[mask_T] = shard.versions.long()
     empty_T = torch.zeros(T, dtype=torch.float32, device=device)
-    empty_T[starts_B] = (shard.output_lens == 0).float()  # on each sample's first token
+    # On each sample's last token, which the loss still reads under context parallelism
+    # (it sees fields at the predicting positions, packing/cp.py: a first token's is dropped).
+    empty_T[starts_B + shard.prompt_lens + shard.output_lens - 1] = (shard.output_lens == 0).float()
     split = partial(torch.split, split_size_or_sections=lens)
     fields = {"loss_mask": list(split(mask_T)), "behave": list(split(behave_T)),
               "versions": list(split(versions_T)), "empty_response": list(split(empty_T))}

@@ -81,7 +81,8 @@ def ppo_loss(ppo: PPOConfig, version: int, logprobs_T, mb, num_global_tokens, nu
         importance_sampling_level=ppo.importance_sampling_level,
         behav_imp_weight_level=ppo.behav_imp_weight_level, behav_imp_weight_mode=ppo.behav_imp_weight_mode,
         entropy_T=entropy_T, entropy_coef=ppo.entropy_coef, ref_logprobs_T=f.get("ref"),
-        kl_coef=ppo.kl_coef if ppo.kl_in == "loss" else 0.0, kl_estimator=ppo.kl_estimator)
+        kl_coef=ppo.kl_coef if ppo.kl_in == "loss" else 0.0, kl_estimator=ppo.kl_estimator,
+        seq_group=mb.cp_group)
     return loss, {**stats, **extra, "empty_responses": f["empty_response"].sum()}
 
 

@@ -1,0 +1,96 @@
+"""Context parallelism: each packed sequence split over CP ranks gives the numbers of cp=1."""
+
+import pytest
+import torch
+from _actor_setup import ppo_loss, seqs, tiny_actor, train_fields
+from _dist import run_gloo
+
+from areal_mcore.algo import ppo_actor_loss
+from areal_mcore.packing import pack
+from areal_mcore.packing.cp import check_cp_layout, cp_token_index, cp_view, shift_left
+from areal_mcore.trainer.sft import sft_loss
+
+
+def test_each_rank_holds_one_early_and_one_late_chunk_of_every_sequence():
+    # Two sequences of 8 and 4 tokens at cp=2: chunks of 2 and 1 tokens.
+    assert cp_token_index([8, 4], 2, 0).tolist() == [0, 1, 6, 7, 8, 11]
+    assert cp_token_index([8, 4], 2, 1).tolist() == [2, 3, 4, 5, 9, 10]
+    assert cp_token_index([8, 4], 1, 0).tolist() == list(range(12))
+    lens = [16, 8, 24]
+    every = torch.cat([cp_token_index(lens, 4, r) for r in range(4)])
+    assert sorted(every.tolist()) == list(range(48))  # each token on exactly one rank
+
+
+def test_a_segment_that_does_not_split_evenly_is_refused_with_the_padding_to_use():
+    with pytest.raises(ValueError, match=r"cp=2 .* 4 equal chunks.*segment 1 is 6 tokens.*multiple of 4"):
+        check_cp_layout([8, 6], 2)
+
+
+def test_shift_left_pairs_each_position_with_the_next_token_of_its_own_sequence():
+    x = torch.tensor([1, 2, 3, 4, 5, 6, 7])
+    assert shift_left(x, [3, 4]).tolist() == [2, 3, 0, 5, 6, 7, 0]
+
+
+def test_a_ranks_view_holds_the_next_tokens_fields_on_its_own_layout():
+    batch = pack([torch.arange(10, 18), torch.arange(20, 24)], {"f": [torch.arange(1, 9), torch.arange(11, 15)]})
+    view = cp_view(batch, 2, 1, None)
+    assert view.input_ids.tolist() == [12, 13, 14, 15, 21, 22]
+    assert view.fields["f"].tolist() == [4, 5, 6, 7, 13, 14]  # the next token's value
+    assert view.cu_seqlens_padded.tolist() == [0, 4, 6] and view.seqlens_padded == [4, 2]
+    last = cp_view(batch, 2, 0, None)  # chunks 0 and 3: a sequence's last position has no next token
+    assert last.fields["f"].tolist() == [2, 3, 8, 0, 12, 0]
+
+
+def _gspo_loss(logp, mb, tokens, seqs):
+    # The per-sequence path: GSPO's sequence ratio and seq-mean-token-mean, whose
+    # per-sequence sums add up over the CP ranks (mb.cp_group).
+    f = mb.fields
+    return ppo_actor_loss(logp, f["prox"], f["adv"], f["loss_mask"], num_global_tokens=tokens, eps_clip=0.2,
+                          cu_seqlens_B1=mb.cu_seqlens_padded, num_global_seqs=seqs,
+                          loss_agg_mode="seq-mean-token-mean", importance_sampling_level="sequence",
+                          seq_group=mb.cp_group)
+
+
+def _cp_and_not(rank, world, tp):
+    # cp=1 and cp=world/tp on the same ranks, one launch (each launch costs ~10 s here);
+    # at cp=1 the ranks beyond TP are data-parallel replicas given the same batch, which
+    # trains as that batch alone (the loss is normalised over the DP ranks' tokens).
+    out = []
+    for cp in (1, world // tp):
+        actor = tiny_actor(tp=tp, cp=cp, cap=24 // cp)  # the same tokens of the row per micro-batch
+        g = actor.groups
+        assert g.cp_size == cp and actor.config.context_parallel_size == cp
+        s = seqs()
+        logp = actor.compute_logprobs(pack(s))
+        steps = [actor.train_batch(pack(s, train_fields(s)), ppo_loss, n_minibatches=2),
+                 actor.train_batch(pack(s, train_fields(s)), _gspo_loss),
+                 actor.train_batch(pack(s, {"loss_mask": train_fields(s)["loss_mask"]}), sft_loss)]
+        hf = actor.hf_state_dict()  # a gather over TP: every rank takes part
+        out.append({"logp": logp, "loss": [x for r in steps for x in r["loss"]],
+                    "grad_norm": [x for r in steps for x in r["grad_norm"]],
+                    "n_mb": [x for r in steps for x in r["n_micro_batches"]],
+                    "hf": hf if g.tp_rank == 0 else {}})
+    return out
+
+
+def _assert_equal(results):
+    for ref, cp in results:
+        assert cp["logp"].shape == ref["logp"].shape
+        assert (cp["logp"] - ref["logp"]).abs().max() <= 1e-5
+        assert all(n > 1 for n in cp["n_mb"][:2])  # several micro-batches per minibatch
+        assert cp["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert cp["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert set(cp["hf"]) == set(ref["hf"])
+        for name, want in ref["hf"].items():  # after three optimizer steps
+            rel = (cp["hf"][name] - want).abs().max() / want.abs().max()
+            assert rel <= 1e-5, f"{name}: relative difference {rel:.2e}"
+
+
+@pytest.mark.multirank
+def test_cp2_gives_the_logprobs_losses_and_updates_of_cp1():
+    _assert_equal(run_gloo(_cp_and_not, 2, 1))
+
+
+@pytest.mark.multirank
+def test_cp2_tp2_with_sequence_parallelism_gives_the_numbers_of_tp2():
+    _assert_equal(run_gloo(_cp_and_not, 4, 2))
