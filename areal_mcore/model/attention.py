@@ -42,8 +42,9 @@ class CPUCoreAttention(MegatronModule):
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
                  pg_collection=None):
         super().__init__(config=config)
-        # megatron's DotProductAttention takes the CP group from pg_collection, else from
-        # parallel_state (transformer/dot_product_attention.py, __init__).
+        # The CP group as megatron's TEDotProductAttention takes it: from pg_collection, else
+        # from parallel_state (extensions/transformer_engine.py, __init__; the local
+        # DotProductAttention asserts context_parallel_size == 1 instead).
         cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group(check_initialized=False)
         self.cp_size = config.context_parallel_size
