@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mcore import collectives
-from areal_mcore.packing.thd import PackedBatch, to_device
+from areal_mcore.packing.thd import PackedBatch, _cumsum, to_device
 
 
 def check_cp_layout(seqlens_padded: Sequence[int], cp_size: int) -> None:
@@ -88,7 +88,7 @@ def cp_view(batch: PackedBatch, cp_size: int, cp_rank: int, group: dist.ProcessG
     tracked: ``seqlens`` equals the layout's). ``cp_group`` marks it as a share."""
     idx = to_device(cp_token_index(batch.seqlens_padded, cp_size, cp_rank), batch.input_ids.device)
     lens = [n // cp_size for n in batch.seqlens_padded]
-    cu = to_device(torch.tensor([0, *accumulate(lens)], dtype=torch.int32), batch.input_ids.device)
+    cu = to_device(_cumsum(lens), batch.input_ids.device)
     return PackedBatch(
         input_ids=batch.input_ids[idx], position_ids=batch.position_ids[idx], cu_seqlens=cu,
         cu_seqlens_padded=cu, max_seqlen=max(lens), seqlens=lens, seqlens_padded=lens,
