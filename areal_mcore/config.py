@@ -161,12 +161,6 @@ class ExperimentConfig(InferenceConfig):
         self.ppo = dataclasses.replace(ppo, loss_norm_tokens=self.rollout.max_new_tokens)
 
     def _check_allocation(self) -> None:
-        if (cp := self.actor.parallel.cp) > 1:
-            # The actor splits sequences over CP ranks for logprobs, but trains and
-            # dispatches data without CP yet (docs/actor.md, "Context parallelism").
-            raise ValueError(f"actor.parallel.cp={cp}: context parallelism is not supported for training "
-                             f"or SFT yet; set actor.parallel.cp=1 and use tensor parallelism (t in "
-                             f"launch.allocation) or actor.recompute=true for long sequences")
         # The allocation decides which nodes and GPUs the rollout side gets, server.backend
         # which command runs there: they must name the same engine.
         launch, server = self.launch, self.server
@@ -176,17 +170,27 @@ class ExperimentConfig(InferenceConfig):
             self.launch = dataclasses.replace(launch, allocation=derived)
             return
         alloc = parse_allocation(launch.allocation)
-        ep, trainer = self.actor.parallel.ep, alloc.trainer
-        if trainer.e != ep:
+        p, trainer = self.actor.parallel, alloc.trainer
+        if trainer.c != p.cp:
+            # One CP size, stated twice: the allocation's c (how many GPUs the trainer gets,
+            # and what the planner reads) and the actor's (how it splits each sequence). A
+            # missing c is c1, so a CP run spells it in the allocation.
+            fixed = dataclasses.replace(alloc, trainer=dataclasses.replace(trainer, c=p.cp))
+            raise ValueError(
+                f"launch.allocation={launch.allocation!r} has c{trainer.c} (context parallelism) but "
+                f"actor.parallel.cp={p.cp}: they must agree; set launch.allocation={str(fixed)!r} "
+                f"(c adds GPUs: {fixed.trainer.formula()}) or actor.parallel.cp={trainer.c}")
+        if trainer.e != p.ep:
             # One EP size, stated twice: the allocation's e (which the planner's expert-DP and
-            # the trainer's GPUs are read from; parse_allocation checked that it divides d) and
-            # the actor's. A missing e is e1, so an EP run must spell it in the allocation.
-            fixed = dataclasses.replace(alloc, trainer=dataclasses.replace(trainer, e=ep))
-            fix = (f"launch.allocation={str(fixed)!r} or " if trainer.d % ep == 0 else
-                   f"a launch.allocation whose d is a multiple of {ep} (e{ep}), or ")
+            # the trainer's GPUs are read from; parse_allocation checked that it divides d x c)
+            # and the actor's. A missing e is e1, so an EP run must spell it in the allocation.
+            fixed = dataclasses.replace(alloc, trainer=dataclasses.replace(trainer, e=p.ep))
+            fix = (f"launch.allocation={str(fixed)!r} or " if (trainer.d * trainer.c) % p.ep == 0 else
+                   f"a launch.allocation whose {'d' if trainer.c == 1 else 'd x c'} is a multiple of {p.ep} "
+                   f"(e{p.ep}), or ")
             raise ValueError(
                 f"launch.allocation={launch.allocation!r} has e{trainer.e} (expert parallelism) but "
-                f"actor.parallel.ep={ep}: they must agree; set {fix}actor.parallel.ep={trainer.e}")
+                f"actor.parallel.ep={p.ep}: they must agree; set {fix}actor.parallel.ep={trainer.e}")
         rollout = alloc.rollout
         if rollout is not None and server is not None and rollout.backend != server.backend:
             raise ValueError(

@@ -34,8 +34,8 @@ def _checkpointer(root):
     return Checkpointer(CheckpointConfig(root=root, keep_last=2), dist.group.WORLD)
 
 
-def _train_worker(rank, world, root, resume, save_at, tp=1, arch="qwen2", ep=1):
-    actor = _actor(cap=16, tp=tp, arch=arch, ep=ep)
+def _train_worker(rank, world, root, resume, save_at, tp=1, arch="qwen2", ep=1, cp=1):
+    actor = _actor(cap=16, tp=tp, arch=arch, ep=ep, cp=cp)
     ckpt = _checkpointer(root)
     start = ckpt.load(actor).extra["data_position"] if resume else 0
     g, losses = actor.groups, []
@@ -82,8 +82,11 @@ def test_resume_of_a_qwen3_moe_actor_is_bitwise_identical(tmp_path, tp, ep):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_resume_with_another_dp_size_is_close(uninterrupted, tmp_path):
-    results = run_gloo(_train_worker, 2, str(tmp_path), False, SAVE_AT)
+@pytest.mark.parametrize("cp", [1, 2])
+def test_resume_with_another_dp_or_cp_size_is_close(uninterrupted, tmp_path, cp):
+    """Saved at DP 2 (or CP 2: the optimizer is sharded over DP x CP), resumed on one rank.
+    CP ranks are replicas of the weights: the checkpoint is the same model."""
+    results = run_gloo(_train_worker, 2, str(tmp_path), False, SAVE_AT, 1, "qwen2", 1, cp)
     assert results[0][0] == results[1][0]
     rest, weights = run_gloo(_train_worker, 1, str(tmp_path), True, None)[0]
     losses, ref_weights = uninterrupted

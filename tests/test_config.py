@@ -42,10 +42,12 @@ def test_unknown_key_in_wrong_section_suggests_full_path():
         load_config(BOBA_7B, ["lr=1e-5"])
 
 
-def test_context_parallelism_is_refused_until_the_trainer_passes_it_on():
-    # The actor splits sequences over CP ranks, but dispatch, launcher and planner do not yet.
-    with pytest.raises((ConfigError, ValueError), match=r"actor\.parallel\.cp=2: context parallelism is not "
-                                                        r"supported .* set actor\.parallel\.cp=1"):
+def test_context_parallelism_needs_c_in_the_allocation():
+    # c adds GPUs: a cp the allocation does not give would change the job's size unseen.
+    with pytest.raises((ConfigError, ValueError), match=r"has c1 \(context parallelism\) but actor\.parallel\.cp=2: "
+                                                        r"they must agree; set launch\.allocation="
+                                                        r"'sglang:d16\+megatron:d8t2c2' \(c adds GPUs: d8 x t2 x c2 = "
+                                                        r"32 GPUs\) or actor\.parallel\.cp=1"):
         load_config(BOBA_7B, ["actor.parallel.cp=2"])
 
 

@@ -9,6 +9,8 @@ from areal_mcore.algo import ppo_actor_loss
 from areal_mcore.packing import pack
 from areal_mcore.packing.cp import check_cp_layout, cp_token_index, cp_view, shift_left
 from areal_mcore.trainer.sft import sft_loss
+from areal_mcore.weight_sync.disk import disk_roles
+from areal_mcore.weight_sync.distributed import distributed_roles
 
 
 def test_each_rank_holds_one_early_and_one_late_chunk_of_every_sequence():
@@ -41,6 +43,27 @@ def test_a_ranks_view_holds_the_next_tokens_fields_on_its_own_layout():
     assert last.fields["f"].tolist() == [2, 3, 8, 0, 12, 0]
 
 
+def test_te_attention_gets_the_cp_comm_type_and_ulysses_needs_the_heads_to_split():
+    from _tiny_model import tiny_model
+
+    from areal_mcore.actor.config import ParallelConfig
+    from areal_mcore.model.args import ModelArgs
+    from areal_mcore.model.hf_config import transformer_config
+
+    args = ModelArgs.from_hf(tiny_model("qwen2", vocab=250)[0])  # 2 KV heads
+    assert (args.num_kv_heads, args.num_heads) == (2, 4)
+    c = transformer_config(args, tp_size=1, pp_size=1, params_dtype=torch.float32, cp_size=2,
+                           cp_comm_type="all_gather")
+    assert (c.context_parallel_size, c.cp_comm_type) == (2, "all_gather")  # TransformerLayer passes it on
+    assert transformer_config(args, tp_size=1, pp_size=1, params_dtype=torch.float32).cp_comm_type is None
+    assert transformer_config(args, tp_size=1, pp_size=1, params_dtype=torch.float32, cp_size=2,
+                              cp_comm_type="a2a").cp_comm_type == "a2a"
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2 / tp=2 must divide by cp=2; use p2p or all_gather"):
+        transformer_config(args, tp_size=2, pp_size=1, params_dtype=torch.float32, cp_size=2, cp_comm_type="a2a")
+    with pytest.raises(ValueError, match=r"cp_comm_type.*choose one of \['p2p', 'all_gather', 'a2a'\]"):
+        ParallelConfig(cp=2, cp_comm_type="a2a+p2p")
+
+
 def _gspo_loss(logp, mb, tokens, seqs):
     # The per-sequence path: GSPO's sequence ratio and seq-mean-token-mean, whose
     # per-sequence sums add up over the CP ranks (mb.cp_group).
@@ -66,7 +89,8 @@ def _cp_and_not(rank, world, tp):
                  actor.train_batch(pack(s, train_fields(s)), _gspo_loss),
                  actor.train_batch(pack(s, {"loss_mask": train_fields(s)["loss_mask"]}), sft_loss)]
         hf = actor.hf_state_dict()  # a gather over TP: every rank takes part
-        out.append({"logp": logp, "loss": [x for r in steps for x in r["loss"]],
+        roles = [(r.participates, r.sender, r.coordinator) for r in (distributed_roles(g), disk_roles(g))]
+        out.append({"logp": logp, "loss": [x for r in steps for x in r["loss"]], "roles": roles,
                     "grad_norm": [x for r in steps for x in r["grad_norm"]],
                     "n_mb": [x for r in steps for x in r["n_micro_batches"]],
                     "hf": hf if g.tp_rank == 0 else {}})
@@ -93,4 +117,62 @@ def test_cp2_gives_the_logprobs_losses_and_updates_of_cp1():
 
 @pytest.mark.multirank
 def test_cp2_tp2_with_sequence_parallelism_gives_the_numbers_of_tp2():
-    _assert_equal(run_gloo(_cp_and_not, 4, 2))
+    results = run_gloo(_cp_and_not, 4, 2)
+    _assert_equal(results)
+    # CP ranks hold the same weights: only CP rank 0's TP rank 0 sends them to the servers
+    # (distributed sync; both TP ranks take part in its gathers) or has the servers load
+    # the export (disk sync).
+    for rank, (_, cp) in enumerate(results):  # megatron's order tp-cp-dp: rank = tp + 2 cp
+        tp_rank, cp_rank = rank % 2, rank // 2
+        head = tp_rank == cp_rank == 0
+        assert cp["roles"] == [(cp_rank == 0, head, head), (True, head, head)]
+
+
+def _moe_cp_and_not(rank, world):
+    # Qwen3-MoE at EP 2, cp=1 (the two ranks are data-parallel replicas given the same
+    # batch) and cp=2 (EP carved out of the CP ranks), one launch: logprobs with routing
+    # replay, the router disagreement, the frozen reference model's logprobs, a PPO and an
+    # SFT step with the rollout's routing.
+    from _actor_setup import VOCAB
+    from _tiny_model import tiny_model
+
+    from areal_mcore.actor import router_replay
+
+    s = seqs()
+    g = torch.Generator().manual_seed(3)
+    routing = []
+    for x in s:  # two distinct experts of 8 per token and layer; the engines' -1 on the last token
+        first = torch.randint(0, 8, (len(x), 4, 1), generator=g)
+        r = torch.cat([first, (first + torch.randint(1, 8, first.shape, generator=g)) % 8], -1)
+        r[-1] = -1
+        routing.append(r)
+    _, state, _ = tiny_model("qwen3_moe", vocab=VOCAB, layers=4)
+    out = []
+    for cp in (1, 2):
+        actor = tiny_actor(arch="qwen3_moe", ep=2, cp=cp, cap=24 // cp)
+        assert (actor.groups.cp_size, actor.groups.ep_size) == (cp, 2)
+        ref = actor.build_frozen_model(state)
+        actor.cfg.router_replay = True
+        routed = {router_replay.FIELD: routing}
+        logp = actor.compute_logprobs(pack(s, routed))
+        disagreement = actor.router_disagreement
+        ref_logp = actor.compute_logprobs(pack(s), model=ref)
+        steps = [actor.train_batch(pack(s, {**train_fields(s), **routed}), ppo_loss, n_minibatches=2),
+                 actor.train_batch(pack(s, {"loss_mask": train_fields(s)["loss_mask"], **routed}), sft_loss)]
+        hf = actor.hf_state_dict()  # a gather over EP: every rank takes part
+        out.append({"logp": logp, "disagreement": disagreement, "ref_logp": ref_logp,
+                    "loss": [x for r in steps for x in r["loss"]],
+                    "grad_norm": [x for r in steps for x in r["grad_norm"]],
+                    "n_mb": [x for r in steps for x in r["n_micro_batches"]], "hf": hf})
+    return out
+
+
+@pytest.mark.multirank
+def test_cp2_ep2_moe_with_routing_replay_and_a_reference_model_gives_the_numbers_of_cp1():
+    results = run_gloo(_moe_cp_and_not, 2)
+    _assert_equal(results)
+    for ref, cp in results:
+        assert 0.3 < ref["disagreement"] < 1.0  # the replayed routing is not the routers' own
+        assert cp["disagreement"] == pytest.approx(ref["disagreement"], abs=1e-9)
+        assert (cp["ref_logp"] - ref["ref_logp"]).abs().max() <= 1e-5
+        assert "model.layers.3.mlp.experts.7.up_proj.weight" in cp["hf"]

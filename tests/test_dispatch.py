@@ -97,6 +97,39 @@ def test_each_replica_receives_only_its_groups_once_then_its_model_parallel_peer
     assert out[0][2] == parts[1].nbytes + 32  # rank 0 sent replica 1's share, once
 
 
+def _cp_dispatch_rank(rank, world, samples, n):
+    # megatron's own groups (tp-cp-ep-dp-pp order): TP 2 x CP 2 (one replica: the head
+    # sends over CP, then each CP rank's TP group), then DP 2 x CP 2 (a replica head on
+    # rank 2 receives, and passes it to its CP peer).
+    from megatron.core import parallel_state as mpu
+
+    out = []
+    for tp, cp in ((2, 2), (1, 2)):
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        d = Dispatcher(dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
+                       mp_group=mpu.get_model_parallel_group(), cp_group=mpu.get_context_parallel_group(),
+                       world=dist.group.WORLD, control=dist.new_group(backend="gloo"))
+        shard, _ = d.dispatch(samples if rank == 0 else None, n)
+        out.append((d.heads, mpu.get_data_parallel_rank(), _as_lists(shard)))
+        mpu.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.multirank
+def test_context_parallel_ranks_of_a_replica_all_receive_its_samples():
+    """A replica is CP x TP x PP ranks, but megatron's model-parallel group leaves CP out:
+    every CP rank needs the replica's samples (each splits every sequence itself)."""
+    n = 4
+    samples = _samples(6, n)
+    out = run_gloo(_cp_dispatch_rank, 4, samples, n)
+    whole = _as_lists(RolloutShard.from_samples(samples))
+    halves = [_as_lists(RolloutShard.from_samples(p)) for p in split_groups(samples, n, 2)]
+    for rank, ((heads1, dp1, got1), (heads2, dp2, got2)) in enumerate(out):
+        assert (heads1, dp1, got1) == ([0], 0, whole)
+        assert (heads2, dp2) == ([0, 2], rank // 2)  # ranks 0, 1: CP ranks of replica 0
+        assert got2 == halves[rank // 2]
+
+
 def _late_rank_0(rank, world, samples, n):
     import time
     from datetime import timedelta

@@ -17,6 +17,9 @@ def test_parse_and_place_the_boba_layouts():
     assert str(a) == "sglang:d4t2+megatron:d2p2t4"
     # order of letters is free; c1 is accepted (no context parallelism); sub-node sides
     assert parse_allocation("sglang:t2d4+megatron:c1d2").trainer.gpus == 2
+    # c takes GPUs of its own (each sequence split over c ranks), e does not
+    assert parse_allocation("sglang:d8+megatron:d8c2t2").trainer.gpus == 32
+    assert parse_allocation("megatron:d1c2e2").trainer.gpus == 2
     assert parse_allocation("embedded:d1+megatron:d1").place(nodes=2, gpus_per_node=1) == (1, 1)
     assert parse_allocation("sglang:d2+megatron:d4").place(nodes=2, gpus_per_node=8) == (1, 1)
     # 128 nodes x 8 GPUs: the 32B PPO layout
@@ -55,10 +58,6 @@ def test_allocations_that_do_not_fit_say_why_with_numbers(text, nodes, gpn, mess
     ("sglang:d2c2+megatron:d2", "context parallelism (c) is a trainer dimension"),
     ("sglang:d1p2t8+megatron:d8", "pipeline-parallel rollout servers (p2) are not supported"),
     ("sglang:d2p2t4+megatron:d8", "use t and d, e.g. sglang:d4t4"),
-    # c > 1 is refused on the trainer (it would silently become data parallelism)
-    ("sglang:d8+megatron:d8c2t2", "context parallelism (c2) is not supported yet"),
-    ("megatron:d8c2t2", "use tensor parallelism (t) or activation recompute (actor.recompute=true) "
-                        "for long sequences, e.g. megatron:d8t4"),
 ])
 def test_malformed_strings_name_the_bad_part(text, message):
     with pytest.raises(AllocationError) as e:
@@ -99,6 +98,9 @@ def test_expert_parallel_takes_no_gpus_and_places_like_its_dense_layout():
     ("sglang:d4+megatron:d6t2e4", "expert parallelism e4 must divide the data-parallel size d6 (the EP ranks "
                                   "are carved out of the DP ranks; e adds no GPUs), e.g. megatron:d6t2e2"),
     ("megatron:d2e4", "e4 must divide the data-parallel size d2"),
+    # under CP, EP is carved out of DP x CP
+    ("megatron:d1c2e4", "e4 must divide the data-parallel size d1 x c2 (the EP ranks are carved out of the "
+                        "DP x CP ranks; e adds no GPUs), e.g. megatron:d1c2e2"),
     ("sglang:d4+megatron:d4e0", "sizes are >= 1"),
 ])
 def test_expert_parallel_on_the_rollout_side_or_not_dividing_d_is_refused(text, message):
@@ -139,11 +141,14 @@ def test_sweeps_expand_to_named_runs_and_times_parse():
     assert (_minutes("72:00:00"), _minutes("10:00"), _minutes("1-00:30:00"), _minutes("0:0:30")) == (4320, 10, 1470, 1)
 
 
-def test_c_greater_than_one_is_refused_when_the_config_loads():
+def test_c_and_actor_parallel_cp_must_agree_when_the_config_loads():
     from areal_mcore.config import load_config
 
-    with pytest.raises(ValueError, match=r"context parallelism \(c2\) is not supported yet"):
-        load_config("configs/boba_32b_sft.yaml", ["launch.stage=sft", "launch.allocation=megatron:d8c2t2"])
+    sft = ["launch.stage=sft", "launch.allocation=megatron:d8c2t2"]
+    with pytest.raises(ValueError, match=r"has c2 \(context parallelism\) but actor\.parallel\.cp=1: they must "
+                                         r"agree; set launch\.allocation='megatron:d8t2' .* or actor\.parallel\.cp=2"):
+        load_config("configs/boba_32b_sft.yaml", sft)
+    assert load_config("configs/boba_32b_sft.yaml", [*sft, "actor.parallel.cp=2"]).actor.parallel.cp == 2
 
 
 @pytest.mark.parametrize("gpus,cfg,env,flags", [

@@ -1,4 +1,5 @@
-"""A CI-sized boba PPO run: 2 gloo ranks (DP=2), one embedded server, weight sync."""
+"""CI-sized boba PPO runs: 2 gloo ranks (context parallel: each holds half of every
+sequence), one embedded server, weight sync. DP=2 runs end to end in test_dispatch.py."""
 
 from __future__ import annotations
 
@@ -44,7 +45,11 @@ def test_two_rank_ppo_run_computes_rewards_trains_and_syncs_every_step(tmp_path)
         "trainer.eval_freq=2", "trainer.trace=true", "trainer.dump_to_file=true", "rollout.max_new_tokens=16",
         "rollout.n_samples=4", "server.context_length=512", f"trainer.total_steps={steps}",
         "ppo.reward_bias=-0.5", "ppo.reward_scaling=10.0",
-        "ppo.reward_norm.mean_level=group", "ppo.reward_norm.std_level=group", "ppo.reward_norm.group_size=4")
+        "ppo.reward_norm.mean_level=group", "ppo.reward_norm.std_level=group", "ppo.reward_norm.group_size=4",
+        # Both ranks split every sequence (the trainer's CP path: dispatch to both CP ranks,
+        # sync and export from CP rank 0). Its numbers equal cp=1's: test_context_parallel.py;
+        # a 20-step tiny run at cp=2 repeats cp=1's rewards: docs/actor.md.
+        "actor.parallel.cp=2", "launch.allocation=embedded:d1+megatron:d1c2")
     history = run_gloo(_ppo_worker, 2, overrides)
     rank0, rank1 = history
     assert [r["step"] for r in rank0] == list(range(1, steps + 1))
@@ -54,7 +59,7 @@ def test_two_rank_ppo_run_computes_rewards_trains_and_syncs_every_step(tmp_path)
         assert row["sync/server_versions"] == [str(row["step"])]  # the server serves step k
         assert all(math.isfinite(x) for x in row["train/loss"] + row["train/grad_norm"])
         assert row["sync/bytes"] > 0
-    # Both DP ranks report the same global loss (an exact token mean over the two shares).
+    # Both CP ranks report the same global loss (an exact token mean over the two halves).
     assert [r["train/loss"] for r in rank0] == [r["train/loss"] for r in rank1]
     assert (tmp_path / "runs" / "e2e" / "stats.jsonl").read_text().count("\n") == steps
 

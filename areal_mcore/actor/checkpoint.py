@@ -15,8 +15,9 @@ before ``latest`` is replaced (also by rename), so a crash mid-save leaves the p
 checkpoint and pointer untouched; a failed save (a full disk) removes its temporary folder
 and raises the OS error naming it, on every rank. Loading verifies the files against the
 manifest's hashes and falls back to the newest checkpoint that verifies, saying which it
-skipped and why (``areal-mcore verify-checkpoint DIR`` checks one by hand). Resuming with another data-parallel size works (the
-optimizer state is saved DP-reshardable); another TP/PP layout is rejected with a
+skipped and why (``areal-mcore verify-checkpoint DIR`` checks one by hand). Resuming with
+another data- or context-parallel size works (the optimizer state, sharded over DP x CP, is
+saved DP-reshardable; CP ranks hold the same weights); another TP/PP layout is rejected with a
 message pointing at the HF conversion tools, and so is a checkpoint saved by a newer
 megatron-core than the one running (``mcore_compat.resume_refusal``; older ones load).
 """
@@ -170,7 +171,7 @@ class Checkpointer:
             manifest = {
                 "format": FORMAT, "step": step, "weight_version": weight_version,
                 "layout": {"tp": g.tp_size, "pp": g.pp_size, "ep": g.ep_size, "dp": g.dp_size,
-                           "world": dist.get_world_size(self.group)},
+                           "cp": g.cp_size, "world": dist.get_world_size(self.group)},
                 "versions": {"torch": torch.__version__,
                              "megatron_core": mcore_compat.MCORE_VERSION_STR},
                 "model_args": dataclasses.asdict(actor.args),

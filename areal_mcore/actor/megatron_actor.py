@@ -139,7 +139,7 @@ class MegatronActor:
                                     first_stage_layers=p.first_stage_layers,
                                     last_stage_layers=p.last_stage_layers,
                                     on_gpu=found.cuda, fused=use_te, ep_size=g.ep_size,
-                                    moe_grouped_gemm=use_te, cp_size=g.cp_size,
+                                    moe_grouped_gemm=use_te, cp_size=g.cp_size, cp_comm_type=p.cp_comm_type,
                                     gradient_accumulation_fusion=accel.wgrad_fusion(
                                         cfg.gradient_accumulation_fusion, found))
         model = build_gpt_model(self.args, config, padded_vocab=self.padded_vocab,

@@ -1,6 +1,6 @@
 """``save_hf(actor, dir)``: the trainer's in-training HF export, written by the actor's ranks.
 
-Every rank calls it. One rank per pipeline stage (TP rank 0, DP rank 0) gathers its
+Every rank calls it. One rank per pipeline stage (TP, DP and CP rank 0) gathers its
 stage's weights (over TP and EP) and writes that stage's shards, so no rank holds the whole
 model and no other rank holds more than its own parameters;
 global rank 0 then numbers the shards and writes the index, config and tokenizer files.
@@ -37,7 +37,7 @@ def save_hf(actor: MegatronActor, out_dir: str | Path, *, tokenizer_dir: str | P
     collectives.barrier(dist.group.WORLD)
     tensors = actor.hf_state_dict(writer_only=True)  # collective over the TP (and EP) group
     parts = []
-    if g.tp_rank == 0 and g.dp_rank == 0:
+    if g.tp_rank == 0 and g.dp_rank == 0 and g.cp_rank == 0:  # hf_state_dict's writer (CP ranks are replicas)
         writer = ShardedSafetensorsWriter(out, max_shard_bytes, dtype, prefix=f"stage{g.pp_rank:03d}")
         writer.add(tensors)
         parts = writer.written_parts()

@@ -3,19 +3,19 @@
 ``sglang:d4t2+megatron:d2p2t4`` = 4 SGLang servers of tensor-parallel size 2 (8 GPUs) and a
 megatron trainer with DP 2 x PP 2 x TP 4 (16 GPUs). Letters per side, any order, each at
 most once, missing ones = 1: ``d`` data parallel (servers on the rollout side), ``t``
-tensor, ``p`` pipeline, ``c`` context parallel (trainer only; refused for now: the trainer's
-dispatch, the launcher and the planner do not pass it on yet, so ``c`` would silently become data
-parallelism), ``e`` expert parallel
+tensor, ``p`` pipeline, ``c`` context parallel (trainer only; ``actor.parallel.cp``, which
+config loading requires to agree: each sequence is split over c ranks), ``e`` expert parallel
 (trainer only; ``actor.parallel.ep``, which config loading requires to agree). The rollout
 backend is ``sglang``, ``vllm`` or ``embedded`` (the CPU server: its "GPUs" are processes).
 
 ``e`` takes no GPUs of its own, as in AReaL's allocation mode ("expert parallelism does not
 increase world size", https://inclusionai.github.io/AReaL/reference/alloc_mode.html): megatron's MoE
-parallel folding lays expert-TP x EP x expert-DP x PP over the same ranks as TP x DP x PP
-(parallel_state.initialize_model_parallel). With expert-TP = TP (actor/parallel.py) the EP
-group is carved out of the data-parallel ranks, so ``e`` must divide ``d``:
-``megatron:d8t2e4`` is 16 GPUs, each expert layer split over 4 EP ranks x 2 TP ranks, its
-optimizer state over d / e = 2 expert-DP ranks.
+parallel folding lays expert-TP x EP x expert-DP x PP over the same ranks as TP x CP x DP x PP
+(parallel_state.initialize_model_parallel: its expert rank generator has no CP dimension).
+With expert-TP = TP (actor/parallel.py) the EP group is carved out of the data- and
+context-parallel ranks, so ``e`` must divide ``d`` x ``c``: ``megatron:d8t2e4`` is 16 GPUs,
+each expert layer split over 4 EP ranks x 2 TP ranks, its optimizer state over d / e = 2
+expert-DP ranks.
 
 A trainer-only string (``megatron:d1p4t8``) is for SFT, which needs no servers.
 
@@ -143,26 +143,15 @@ def parse_allocation(text: str) -> Allocation:
 
 
 def _check_trainer(trainer: Side, text: str) -> None:
-    _refuse_cp(trainer, text)
-    if trainer.d % trainer.e:
-        # Megatron builds the EP groups inside the data-parallel ranks (expert-TP = TP here):
-        # its expert rank generator needs expert-TP x EP x PP to divide the world
-        # (parallel_state.initialize_model_parallel), i.e. e divides d.
+    if (trainer.d * trainer.c) % trainer.e:
+        # Megatron builds the EP groups inside the data- and context-parallel ranks
+        # (expert-TP = TP here): its expert rank generator needs expert-TP x EP x PP to
+        # divide the world (parallel_state.initialize_model_parallel), i.e. e divides d x c.
+        fix = dataclasses.replace(trainer, e=math.gcd(trainer.d * trainer.c, trainer.e))
+        size, ranks = (f"d{trainer.d}", "DP") if trainer.c == 1 else (f"d{trainer.d} x c{trainer.c}", "DP x CP")
         raise AllocationError(
-            f"allocation {text!r}: expert parallelism e{trainer.e} must divide the data-parallel size "
-            f"d{trainer.d} (the EP ranks are carved out of the DP ranks; e adds no GPUs), e.g. "
-            f"{dataclasses.replace(trainer, e=math.gcd(trainer.d, trainer.e))}")
-
-
-def _refuse_cp(trainer: Side, text: str) -> None:
-    # Nothing passes c on to actor.parallel.cp yet: it would silently become more data
-    # parallelism (megatron:d8c2t2 -> 16 replicas of 2 GPUs each).
-    if trainer.c > 1:
-        raise AllocationError(
-            f"allocation {text!r}: context parallelism (c{trainer.c}) is not supported yet (the actor "
-            f"splits sequences over CP ranks, but the trainer's data dispatch, the launcher and the "
-            f"memory planner do not); use tensor parallelism (t) or activation recompute (actor.recompute=true) "
-            f"for long sequences, e.g. {dataclasses.replace(trainer, t=trainer.t * trainer.c, c=1)}")
+            f"allocation {text!r}: expert parallelism e{trainer.e} must divide the data-parallel size {size} "
+            f"(the EP ranks are carved out of the {ranks} ranks; e adds no GPUs), e.g. {fix}")
 
 
 def _side(part: str, text: str) -> Side:

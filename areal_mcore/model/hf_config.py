@@ -32,7 +32,8 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
                        last_stage_layers: int | None = None, on_gpu: bool = False,
                        fused: bool = False, gradient_accumulation_fusion: bool = False,
                        moe_aux_loss_coeff: float = 0.0, ep_size: int = 1,
-                       moe_grouped_gemm: bool = False, cp_size: int = 1) -> TransformerConfig:
+                       moe_grouped_gemm: bool = False, cp_size: int = 1,
+                       cp_comm_type: str = "p2p") -> TransformerConfig:
     """The megatron config for ``args`` under the given parallelism.
 
     ``recompute`` turns on activation recomputation: ``full`` reruns each layer's forward
@@ -47,13 +48,21 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
     ``ep_size``: expert parallelism (each rank builds ``num_experts / ep_size`` experts).
     ``moe_grouped_gemm``: an MoE layer's local experts as one grouped GEMM per projection
     (megatron's TEGroupedMLP; with TE's layer spec, block_spec reads it).
-    ``cp_size``: context parallelism (the attention core exchanges K/V over the CP group).
+    ``cp_size``: context parallelism (the attention core exchanges K/V over the CP group),
+    ``cp_comm_type`` how TE's attention does it (``ParallelConfig.cp_comm_type``).
     """
     check_expert_parallel(args, ep_size)
     stage_layer_counts(args.num_layers, pp_size, first_stage_layers, last_stage_layers)  # validates
     for name, value in (("num_attention_heads", args.num_heads), ("num_key_value_heads", args.num_kv_heads)):
         if value % tp_size:
             raise ValueError(f"{name}={value} must be divisible by tp={tp_size}")
+    if cp_size > 1 and cp_comm_type == "a2a" and (args.num_kv_heads // tp_size) % cp_size:
+        # Ulysses scatters each TP rank's heads over the CP ranks: TE's a2a path asserts "The
+        # number of attention heads needs to be divisible by CP size!" for q and k
+        # (attention/dot_product_attention/context_parallel.py, AttnFuncWithCPAndQKVOA2A).
+        raise ValueError(f"actor.parallel.cp_comm_type=a2a scatters attention heads over the CP ranks: "
+                         f"num_key_value_heads={args.num_kv_heads} / tp={tp_size} must divide by cp={cp_size}; "
+                         f"use p2p or all_gather")
     if recompute_granularity not in RECOMPUTE_GRANULARITIES:
         raise ValueError(f"recompute_granularity={recompute_granularity!r}: choose one of "
                          f"{list(RECOMPUTE_GRANULARITIES)}")
@@ -88,6 +97,7 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
         context_parallel_size=cp_size,
+        cp_comm_type=cp_comm_type if cp_size > 1 else None,
         sequence_parallel=sequence_parallel and tp_size > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,

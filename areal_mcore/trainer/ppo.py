@@ -245,8 +245,8 @@ class PPORun:
             (side.addresses, side.api_key) if side is not None else None, 0, self.control)
         self.addresses = addresses
         g = self.actor.groups
-        self.dispatcher = Dispatcher(dp_rank=g.dp_rank, dp_size=g.dp_size, mp_group=g.mp, world=dist.group.WORLD,
-                                     control=self.control)
+        self.dispatcher = Dispatcher(dp_rank=g.dp_rank, dp_size=g.dp_size, mp_group=g.mp, cp_group=g.cp,
+                                     world=dist.group.WORLD, control=self.control)
         # Rank 0 shares the rollout client's fleet: a server the sync finds gone gets no
         # more work, and the sync skips those the rollout found stalled.
         fleet = self.rollout_side.client.fleet if self.rollout_side is not None else addresses

@@ -16,9 +16,9 @@ from areal_mcore.weight_sync.syncer import Roles, Syncer, SyncStats
 
 
 def disk_roles(g) -> Roles:
-    """Every rank writes its part of the export; stage 0's head of replica 0 alone talks
-    to the servers."""
-    head = g.dp_rank == 0 and g.tp_rank == 0 and g.pp_rank == 0
+    """Every rank writes its part of the export; stage 0's head of replica 0 (of its CP
+    rank 0: CP ranks hold the same weights) alone talks to the servers."""
+    head = g.dp_rank == 0 and g.cp_rank == 0 and g.tp_rank == 0 and g.pp_rank == 0
     return Roles(participates=True, sender=head, coordinator=head, group=None)
 
 
