@@ -190,7 +190,8 @@ def test_the_loss_gets_the_micro_batch_on_the_actors_device(pad, cp):
         return torch.randn(1, ids.shape[1], 8, device="cuda")  # logits on the GPU
 
     def loss_func(mb, logits):
-        logp, _, mb = MegatronActor._logprobs(actor, mb, logits, temperature=1.0)
+        logp, _ = MegatronActor._logprobs(actor, mb, logits, temperature=1.0)
+        mb = MegatronActor._loss_view(actor, mb)
         assert all(is_fake_cuda(t) for t in (logp, mb.input_ids, mb.cu_seqlens_padded, *mb.fields.values()))
         return sft_loss(logp, mb, torch.tensor(3.0))
 
@@ -240,7 +241,7 @@ def test_the_micro_batch_loop_never_waits_for_the_device(tp, built_on):
         return torch.randn(1, ids.shape[1], vocab, device="cuda")
 
     def loss_func(mb, logits):
-        logp, _, _ = MegatronActor._logprobs(actor, mb, logits, temperature=1.0)
+        logp, _ = MegatronActor._logprobs(actor, mb, logits, temperature=1.0)
         return _ppo_loss(logp, mb, tokens, None)
 
     with FakeCuda() as device:

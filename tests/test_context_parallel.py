@@ -7,7 +7,14 @@ from _dist import run_gloo
 
 from areal_mcore.algo import ppo_actor_loss
 from areal_mcore.packing import pack
-from areal_mcore.packing.cp import check_cp_layout, cp_token_index, cp_view, shift_left
+from areal_mcore.packing.cp import (
+    check_cp_layout,
+    cp_gather_order,
+    cp_token_index,
+    cp_view,
+    predicts_nothing,
+    shift_left,
+)
 from areal_mcore.trainer.sft import sft_loss
 from areal_mcore.weight_sync.disk import disk_roles
 from areal_mcore.weight_sync.distributed import distributed_roles
@@ -21,6 +28,12 @@ def test_each_rank_holds_one_early_and_one_late_chunk_of_every_sequence():
     lens = [16, 8, 24]
     every = torch.cat([cp_token_index(lens, 4, r) for r in range(4)])
     assert sorted(every.tolist()) == list(range(48))  # each token on exactly one rank
+    # What an all-gather over CP returns (rank 0's tokens, then rank 1's), and its inverse;
+    # built once per layout (every attention layer of a micro-batch asks for it).
+    order, inverse = cp_gather_order([8, 4], 2)
+    assert order.tolist() == [0, 1, 6, 7, 8, 11, 2, 3, 4, 5, 9, 10]
+    assert order[inverse].tolist() == list(range(12))
+    assert cp_gather_order((8, 4), 2)[1] is inverse and cp_token_index([8, 4], 2, 1) is cp_token_index((8, 4), 2, 1)
 
 
 def test_a_segment_that_does_not_split_evenly_is_refused_with_the_padding_to_use():
@@ -30,7 +43,9 @@ def test_a_segment_that_does_not_split_evenly_is_refused_with_the_padding_to_use
 
 def test_shift_left_pairs_each_position_with_the_next_token_of_its_own_sequence():
     x = torch.tensor([1, 2, 3, 4, 5, 6, 7])
-    assert shift_left(x, [3, 4]).tolist() == [2, 3, 0, 5, 6, 7, 0]
+    # The first token has no predicting position: it goes to the one that predicts nothing.
+    assert shift_left(x, [3, 4]).tolist() == [2, 3, 1, 5, 6, 7, 4]
+    assert predicts_nothing([4, 8], 2, 0).tolist() == [False, True, False, False, False, True]  # chunks 0, 3
 
 
 def test_a_ranks_view_holds_the_next_tokens_fields_on_its_own_layout():
@@ -40,7 +55,11 @@ def test_a_ranks_view_holds_the_next_tokens_fields_on_its_own_layout():
     assert view.fields["f"].tolist() == [4, 5, 6, 7, 13, 14]  # the next token's value
     assert view.cu_seqlens_padded.tolist() == [0, 4, 6] and view.seqlens_padded == [4, 2]
     last = cp_view(batch, 2, 0, None)  # chunks 0 and 3: a sequence's last position has no next token
-    assert last.fields["f"].tolist() == [2, 3, 8, 0, 12, 0]
+    assert last.fields["f"].tolist() == [2, 3, 8, 1, 12, 11]  # ... and gets its first token's
+    # Each field is spread over the ranks without loss: a count on a one-token sequence (an
+    # empty response after a one-token prompt) counts once under CP as without it.
+    one = pack([torch.tensor([5]), torch.arange(3)], {"n": [torch.ones(1), torch.zeros(3)]}, pad_to_multiple_of=4)
+    assert sum(float(cp_view(one, 2, r, None).fields["n"].sum()) for r in range(2)) == 1.0
 
 
 def test_te_attention_gets_the_cp_comm_type_and_ulysses_needs_the_heads_to_split():
@@ -87,7 +106,9 @@ def _cp_and_not(rank, world, tp):
         logp = actor.compute_logprobs(pack(s))
         steps = [actor.train_batch(pack(s, train_fields(s)), ppo_loss, n_minibatches=2),
                  actor.train_batch(pack(s, train_fields(s)), _gspo_loss),
-                 actor.train_batch(pack(s, {"loss_mask": train_fields(s)["loss_mask"]}), sft_loss)]
+                 # every token in the loss, the first too (no predicting position: its
+                 # logprob is 0 and it counts, with CP as without)
+                 actor.train_batch(pack(s, {"loss_mask": [torch.ones(len(x)) for x in s]}), sft_loss)]
         hf = actor.hf_state_dict()  # a gather over TP: every rank takes part
         roles = [(r.participates, r.sender, r.coordinator) for r in (distributed_roles(g), disk_roles(g))]
         out.append({"logp": logp, "loss": [x for r in steps for x in r["loss"]], "roles": roles,

@@ -53,7 +53,7 @@ from areal_mcore.packing import (
     pack,
     unpack,
 )
-from areal_mcore.packing.cp import cp_gather, cp_token_index, cp_view, shift_left
+from areal_mcore.packing.cp import cp_gather, cp_token_index, cp_view, predicts_nothing, shift_left
 from areal_mcore.packing.thd import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -318,13 +318,14 @@ class MegatronActor:
     def _cp_index(self, mb: PackedBatch) -> torch.Tensor:
         """Positions in ``mb``'s packed row of this CP rank's tokens, on the device."""
         g = self.groups
-        return to_device(cp_token_index(mb.seqlens_padded, g.cp_size, g.cp_rank), self.device)
+        return cp_token_index(mb.seqlens_padded, g.cp_size, g.cp_rank, self.device)
 
     def _local_tokens(self, x_T: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
         """The rows of a per-token tensor of ``mb`` that this rank's layers see: its CP
         chunks, then its TP slice of them under sequence parallelism."""
-        if self.groups.cp_size > 1:
-            x_T = x_T[self._cp_index(mb).to(x_T.device)]
+        g = self.groups
+        if g.cp_size > 1:
+            x_T = x_T[cp_token_index(mb.seqlens_padded, g.cp_size, g.cp_rank, x_T.device)]
         return router_replay.local_tokens(x_T, self.groups.tp_rank, self.groups.tp_size,
                                           self.config.sequence_parallel)
 
@@ -348,28 +349,34 @@ class MegatronActor:
         return routers, self._local_tokens(experts[:, self._stage_moe_layers], mb)
 
     def _logprobs(self, mb: PackedBatch, logits_1TV: torch.Tensor,
-                  temperature: float) -> tuple[torch.Tensor, torch.Tensor, PackedBatch]:
-        """(logp_T, entropy_T, the micro-batch they align with); ``mb`` is the micro-batch
-        ``_forward_step`` moved to the device. The fused kernel computes both in one pass;
-        an entropy the loss leaves unused costs no backward work (``kernels.logprob``).
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp_T, entropy_T) of ``mb``, the micro-batch ``_forward_step`` moved to the
+        device. The fused kernel computes both in one pass; an entropy the loss leaves
+        unused costs no backward work (``kernels.logprob``).
 
         Without CP they align with ``mb``'s own tokens. Under CP the logits are this
         rank's tokens only, and a chunk's last position predicts another chunk's first
         token: so the targets are taken from the whole row, and the results align with
-        this rank's share of ``mb`` at the predicting positions (``packing.cp.cp_view``),
-        whose fields the loss reads."""
+        ``_loss_view(mb)`` (this rank's share at the predicting positions)."""
         g = self.groups
         if g.cp_size > 1:
-            view = cp_view(mb, g.cp_size, g.cp_rank, g.cp)
             targets = shift_left(mb.input_ids, mb.seqlens_padded)[self._cp_index(mb)]
             logp, ent = logprob_entropy(logits_1TV.squeeze(0), targets, vocab_size=self.args.vocab_size,
                                         tp_rank=g.tp_rank, tp_group=g.tp, temperature=temperature,
                                         kernel=self.cfg.logprob_kernel)
-            return logp, ent, view
-        logp, ent = token_logprobs_entropy(logits_1TV.squeeze(0), mb.input_ids, mb.cu_seqlens_padded,
-                                           vocab_size=self.args.vocab_size, tp_rank=g.tp_rank, tp_group=g.tp,
-                                           temperature=temperature, kernel=self.cfg.logprob_kernel)
-        return logp, ent, mb
+            # A segment's last position scores its first token (shift_left's wrap-around): 0,
+            # as a sequence's first token gets without CP (token_aligned).
+            keep = ~predicts_nothing(mb.seqlens_padded, g.cp_size, g.cp_rank, logp.device)
+            return logp * keep, ent * keep
+        return token_logprobs_entropy(logits_1TV.squeeze(0), mb.input_ids, mb.cu_seqlens_padded,
+                                      vocab_size=self.args.vocab_size, tp_rank=g.tp_rank, tp_group=g.tp,
+                                      temperature=temperature, kernel=self.cfg.logprob_kernel)
+
+    def _loss_view(self, mb: PackedBatch) -> PackedBatch:
+        """What the loss reads beside ``_logprobs``: ``mb`` itself, or under CP this rank's
+        share of it at the predicting positions (``packing.cp.cp_view``)."""
+        g = self.groups
+        return cp_view(mb, g.cp_size, g.cp_rank, g.cp) if g.cp_size > 1 else mb
 
     def _aligned(self, batch: PackedBatch) -> PackedBatch:
         """``batch`` with every sequence padded to a multiple of TP under sequence parallelism:
@@ -428,7 +435,7 @@ class MegatronActor:
         micro = aligned.select_many(bins)
 
         def loss_func(mb, logits):
-            logp, _, _ = self._logprobs(mb, logits, temperature)
+            logp, _ = self._logprobs(mb, logits, temperature)
             if g.cp_size > 1:  # this rank's predicting positions -> the whole row's tokens
                 logp = token_aligned(cp_gather(logp, mb.seqlens_padded, g.cp_size, g.cp), mb.cu_seqlens_padded)
             return logp.sum() * 0.0, {"logprobs": logp}
@@ -548,7 +555,8 @@ class MegatronActor:
         g, n_mb = self.groups, len(micro)
 
         def loss_func(mb, logits):
-            logp, ent, mb = self._logprobs(mb, logits, temperature=temperature)
+            logp, ent = self._logprobs(mb, logits, temperature=temperature)
+            mb = self._loss_view(mb)
             loss, stats = loss_fn(logp, mb, *counts, **({"entropy_T": ent} if entropy else {}))
             stats = {**stats, "loss": loss.detach().clone()}
             # megatron divides each micro-batch loss by num_microbatches and multiplies it by

@@ -30,8 +30,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
-from areal_mcore.packing.cp import cp_token_index
-from areal_mcore.packing.thd import to_device
+from areal_mcore.packing.cp import cp_gather_order
 
 
 class CPUCoreAttention(MegatronModule):
@@ -80,9 +79,8 @@ class CPUCoreAttention(MegatronModule):
         lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
         cp, r = self.cp_size, self.cp_group.rank()
         # The gathered rows are the ranks' tokens in rank order; ``inv`` puts them back in
-        # the packed row's order.
-        order = torch.cat([cp_token_index(lens, cp, j) for j in range(cp)])
-        inv = to_device(torch.argsort(order), k_tHD.device)
+        # the packed row's order (built once per micro-batch, not per layer: packing/cp.py).
+        _, inv = cp_gather_order(lens, cp, k_tHD.device)
         k_THD, v_THD = (gather_from_sequence_parallel_region(t, True, self.cp_group).index_select(0, inv)
                         for t in (k_tHD, v_tHD))
         out_tHD, local = torch.empty_like(q_tHD), 0

@@ -135,8 +135,8 @@ def _per_sequence(shard: RolloutShard) -> tuple[list[torch.Tensor], dict[str, li
     versions_T = torch.full((T,), -1, dtype=torch.int64, device=device)
     versions_T[mask_T] = shard.versions.long()
     empty_T = torch.zeros(T, dtype=torch.float32, device=device)
-    # On each sample's last token, which the loss still reads under context parallelism
-    # (it sees fields at the predicting positions, packing/cp.py: a first token's is dropped).
+    # On each sample's last token (any token would do: under context parallelism the loss
+    # reads the fields shifted within each sequence, packing/cp.py, which moves but never drops one).
     empty_T[starts_B + shard.prompt_lens + shard.output_lens - 1] = (shard.output_lens == 0).float()
     split = partial(torch.split, split_size_or_sections=lens)
     fields = {"loss_mask": list(split(mask_T)), "behave": list(split(behave_T)),
