@@ -472,8 +472,12 @@ def check_moe(cfg, sizes: Sizes, gpu: Gpu) -> dict:
     transformers' Qwen3-MoE, then one PPO step."""
     from areal_mcore.actor.config import ParallelConfig
 
+    # Without recompute (boba_1.5b's dense recipe recomputes; the other parts run it): the
+    # tests' emulated device (tests/_fake_cuda.py) loses the router weight's placement in
+    # megatron's full-recompute forward (router.py, gating, then asks the real
+    # torch.cuda.current_device), so this part would check the emulation, not the layer.
     out, actor = _matches_transformers(cfg, sizes.moe(), gpu, (40, 24, 56),
-                                       parallel=ParallelConfig(tp=1, pp=1, ep=1))
+                                       parallel=ParallelConfig(tp=1, pp=1, ep=1), recompute=False)
     mlp = actor.model.module.decoder.layers[0].mlp
     out["experts_module"] = type(mlp.experts).__name__
     out["ppo"] = check_ppo(actor, cfg, gpu, sizes.moe_vocab, steps=1)

@@ -1,5 +1,6 @@
 """`areal-mcore plan`: the boba configs fit 80 GB, a config that cannot fit is refused
-before anything starts, and the arithmetic follows megatron's layout."""
+before anything starts (a micro-batch too small for the longest sequence included), the
+arithmetic follows megatron's layout, and context parallelism is planned and offered."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from areal_mcore.plan.lengths import Lengths, dump_lengths
 from areal_mcore.plan.memory import GiB, server_plan, stage_params
 from areal_mcore.plan.planner import server_shape
 
-BOBA = ["boba_1.5b", "boba_7b", "boba_32b_ppo", "boba_32b_sft", "qwen3_8b", "qwen3_30b_a3b", "llama3_8b"]
+BOBA = ["boba_1.5b", "boba_7b", "boba_32b_ppo", "boba_32b_sft", "qwen3_8b", "qwen3_30b_a3b", "llama3_8b",
+        "boba_7b_cp", "boba_32b_ppo_cp"]
+# boba_1.5b before it held the longest sequence: 16384-token micro-batches, no recompute.
+BOBA_1_5B_BEFORE = ["actor.recompute=false", "actor.mb_spec.max_tokens_per_mb=16384"]
 TOO_BIG = ["actor.recompute=false", "actor.parallel.sequence_parallel=false"]
 
 
@@ -272,3 +276,132 @@ def test_trainer_plan_splits_experts_over_ep_and_their_optimizer_state_over_expe
     p1, p2 = (trainer_rank(args, TrainerShape(dp=4, ep=ep, dtype_bytes=2), 0).terms for ep in (1, 2))
     assert p1["weights"] - p2["weights"] == experts // 2 * 2 and p1["grads"] - p2["grads"] == experts // 2 * 4
     assert p1["optimizer"] == p2["optimizer"] and p1["main_params"] == p2["main_params"]
+
+
+# ---------------------------------------------------------------- context parallelism
+
+# Each 32k CP config and its CP-1 twin: the same 32,768-token micro-batch row on the same
+# trainer GPUs, in one rank (d x cp ranks of DP) instead of split over cp.
+CP_TWINS = {
+    "boba_7b_cp": ["actor.parallel.cp=1", "actor.mb_spec.max_tokens_per_mb=32768",
+                   "launch.allocation=sglang:d16+megatron:d8t2"],
+    "boba_32b_ppo_cp": ["actor.parallel.cp=1", "actor.mb_spec.max_tokens_per_mb=32768",
+                        "launch.allocation=sglang:d128t4+megatron:d16p4t8"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CP_TWINS))
+def test_32k_cp_configs_fit_where_their_cp_1_twin_does_not_and_the_twin_is_offered_that_cp(name):
+    cfg = load_config(f"configs/{name}.yaml")
+    a, alloc = cfg.actor, cfg.launch.allocation
+    cp = a.parallel.cp
+    assert cp > 1 and not a.recompute and a.mb_spec.max_tokens_per_mb * cp == 32768
+    plan = make_plan(cfg, 79.6)
+    assert plan.fits and plan.cp == cp and plan.dp * cp in (8, 16) and plan.sequence_fits
+    assert plan.peak.notes["activations"].startswith(f"{1 if cfg.actor.parallel.pp == 1 else 4} micro-batch(es) of "
+                                                     f"{a.mb_spec.max_tokens_per_mb} tokens per CP rank")
+    twin = make_plan(load_config(f"configs/{name}.yaml", CP_TWINS[name]), 79.6)
+    assert not twin.trainer_fits and twin.sequence_fits  # activations, not the sequence
+    assert twin.peak.total > 1.4 * plan.peak.total
+    # The smallest cp that fits is offered, with the cap divided and the allocation's c,
+    # on the same GPUs: exactly the shipped config; no larger cp after it.
+    offered = [f for f in twin.fixes if any(o.startswith("actor.parallel.cp=") for o in f["overrides"])]
+    assert offered[-1]["overrides"] == [f"actor.parallel.cp={cp}", f"actor.mb_spec.max_tokens_per_mb={a.mb_spec.max_tokens_per_mb}",
+                                        f"launch.allocation={alloc}"]
+    assert offered[-1]["fits"] and not any(f["fits"] for f in offered[:-1])
+    assert "keeps its" in offered[-1]["note"] and offered[-1]["trainer_peak_gib"] == round(plan.peak.total / GiB, 1)
+
+
+def test_a_micro_batch_that_cannot_hold_the_longest_sequence_is_offered_cp(capsys):
+    """boba_1.5b as it was: 16384-token micro-batches and responses of up to 27,648 tokens:
+    the allocator would refuse the first truncated response mid-run; the plan refuses it
+    before, and offers CP 2 (the row holds 28,672 tokens, 14,336 per rank, on the same 8
+    GPUs) or a larger cap with recompute (what the config now has)."""
+    assert main(["plan", "--config", "configs/boba_1.5b.yaml", "--gpu", "h100", *BOBA_1_5B_BEFORE]) == 1
+    out = capsys.readouterr().out
+    assert ("a truncated response alone (27649 tokens with a one-token prompt, padded) does NOT fit a micro-batch "
+            "(max_tokens_per_mb x cp = 16384 x 1 = 16384 tokens") in out
+    cp2 = ("actor.parallel.cp=2 actor.mb_spec.max_tokens_per_mb=14336 launch.allocation=sglang:d8+megatron:d4c2 -> "
+           "trainer peak")
+    assert cp2 in out and "fits (the trainer keeps its 8 GPUs: DP 8 -> 4 x CP 2" in out.split(cp2)[1].splitlines()[0]
+    assert "actor.recompute=true actor.mb_spec.max_tokens_per_mb=28672 ->" in out
+    assert "actor.parallel.cp=4" not in out  # cp 2 fits: no larger cp
+    fixed = load_config("configs/boba_1.5b.yaml", [*BOBA_1_5B_BEFORE, "actor.parallel.cp=2",
+                                                   "actor.mb_spec.max_tokens_per_mb=14336",
+                                                   "launch.allocation=sglang:d8+megatron:d4c2"])
+    assert make_plan(fixed, 79.6).trainer_fits
+    # A DP that cannot shrink: c adds GPUs, and the fix says so.
+    one = make_plan(load_config("configs/boba_1.5b.yaml", [*BOBA_1_5B_BEFORE,
+                                                           "launch.allocation=sglang:d8+megatron:d1"]), 79.6)
+    (fix,) = [f for f in one.fixes if "actor.parallel.cp=2" in f["overrides"]]
+    assert "launch.allocation=sglang:d8+megatron:d1c2" in fix["overrides"]
+    assert fix["note"].startswith("the trainer needs 2 GPUs (was 1)")
+
+
+def test_a_row_short_of_the_longest_prompt_plus_response_is_warned_about_with_the_fixes():
+    """Prompts seldom reach trainer.max_prompt_tokens: a row that holds a truncated response
+    but not max_prompt_tokens + max_new_tokens still fits, with a warning and the fixes."""
+    plan = make_plan(load_config("configs/boba_7b.yaml", ["actor.mb_spec.max_tokens_per_mb=28000"]), 79.6)
+    assert plan.fits and not plan.sequence_fits
+    (warning,) = plan.warnings
+    assert "(28672 tokens, padded) does not fit a micro-batch (max_tokens_per_mb x cp = 28000)" in warning
+    fixes = {tuple(f["overrides"]): f["fits"] for f in plan.fixes}
+    assert fixes[("actor.mb_spec.max_tokens_per_mb=28672",)]
+    assert fixes[("actor.parallel.cp=2", "actor.mb_spec.max_tokens_per_mb=14336",
+                  "launch.allocation=sglang:d16+megatron:d4t2c2")]
+    assert not fixes[("actor.parallel.tp=4", "launch.allocation=sglang:d16+megatron:d4t4")]  # the row stays short
+
+
+def test_plan_reads_cp_from_the_actor_and_keeps_the_allocations_c_in_tp_and_pp_fixes():
+    cfg = load_config("configs/boba_7b_cp.yaml", ["actor.parallel.cp=2", "actor.mb_spec.max_tokens_per_mb=16384",
+                                                  "launch.allocation=sglang:d16+megatron:d4t2c2"])
+    plan = make_plan(cfg, 79.6)
+    assert (plan.dp, plan.cp, plan.row_tokens) == (4, 2, 32768) and not plan.trainer_fits
+    fixes = {tuple(f["overrides"]): f for f in plan.fixes}
+    assert ("actor.parallel.tp=4", "launch.allocation=sglang:d16+megatron:d2t4c2") in fixes
+    assert fixes[("actor.parallel.cp=4", "actor.mb_spec.max_tokens_per_mb=8192",
+                  "launch.allocation=sglang:d16+megatron:d2t2c4")]["fits"]
+
+
+def test_cp_shards_the_optimizer_over_dp_x_cp_and_experts_over_dp_x_cp_over_ep():
+    from transformers import Qwen3MoeConfig
+
+    from areal_mcore.model.args import ModelArgs
+    from areal_mcore.plan.memory import trainer_rank
+
+    args = ModelArgs.from_hf(Qwen3MoeConfig(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960))
+    dp8, dp4cp2 = (trainer_rank(args, TrainerShape(**kw, ep=4), 0).terms for kw in ({"dp": 8}, {"dp": 4, "cp": 2}))
+    for term in ("weights", "grads", "main_params", "optimizer"):
+        assert dp8[term] == dp4cp2[term], term  # DP x CP = 8 and expert-DP = 8 / 4 in both
+    dp4 = trainer_rank(args, TrainerShape(dp=4, ep=4), 0).terms
+    assert dp4["optimizer"] == pytest.approx(2 * dp8["optimizer"])
+
+
+def test_cp_splits_a_ranks_activations_and_adds_tes_kv_ring_on_the_gpu():
+    """TE (p2p ring): a CP rank saves what a rank of 1/cp the tokens saves, plus one layer's
+    K/V chunks in flight (max(cp, 4) of them). CPU: the gathered K/V of the whole row and the
+    bottom-right causal mask, quadratic in the whole sequences' lengths."""
+    from areal_mcore.plan.memory import (
+        cp_kv_in_flight_bytes,
+        local_attention_elements,
+        stage_activation_bytes,
+    )
+
+    args, _ = resolve_architecture(None, "DeepSeek-R1-Distill-Qwen-7B")
+    whole = TrainerShape(tp=2, sequence_parallel=True, tokens_per_mb=16384)
+    half = TrainerShape(tp=2, sequence_parallel=True, tokens_per_mb=16384, cp=2)
+    kv = args.num_kv_heads * args.head_dim
+    ring = cp_kv_in_flight_bytes(args, half)
+    assert ring == 4 * 2 * kv / 2 * 16384 * 2 and cp_kv_in_flight_bytes(args, whole) == 0
+    assert stage_activation_bytes(args, half, 0)[0] == stage_activation_bytes(args, whole, 0)[0] + ring
+    local = dict(tokens_per_mb=512, path="local", dtype_bytes=4)
+    one, two = (local_attention_elements(args, TrainerShape(**local, cp=cp)) for cp in (1, 2))
+    q = args.num_heads * args.head_dim
+    # q and linear_proj's input; the whole row's K and V; on CP rank 0 (planned) the output
+    # and fp32 logsumexp of its sequences' first chunks, half its tokens (the other chunks'
+    # attention is recomputed in the backward: no [queries, keys] mask is kept).
+    assert two == 2 * q + 2 * kv * 2 + (q + args.num_heads) / 2
+    assert one == 4 * q + 3 * kv + args.num_heads  # no quadratic term without CP

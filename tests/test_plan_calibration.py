@@ -6,6 +6,11 @@ autograd actually held (``actor.activation_memory.SavedActivationMeter``) during
 and its model-state terms with the actor's parameter, grad-buffer and Adam-state bytes.
 Tolerance: activations within 10 %, model state within 2 %, on every rank (measured
 worst: selective recompute -7.2 %, full recompute +4.1 %, the others +0.1 %; state 0.0 %).
+Two 256-token sequences per micro-batch at DP 2 (+0.0 %: the fused CPU attention saves
+nothing quadratic) and at CP 2, whose ranks hold 256 tokens of the 512-token row and the
+whole row's gathered K/V (the masked chunks' attention is recomputed in the backward):
++0.0 % on rank 0, the rank planned (its sequences' first chunks keep their attention
+output), +2.6 % on rank 1; the optimizer state over DP x CP.
 
 MoE layers (Qwen3-MoE, every layer routed): what an MoE layer saves over its dense twin
 (the same attention, a dense SwiGLU) is predicted to within 10 % of the MoE part, at top-2
@@ -37,10 +42,10 @@ def _measure(case):
     if case["recompute"] == "selective":
         actor = tiny_actor_selective(case)
     else:
-        actor = tiny_actor(tp=case["tp"], pp=case["pp"], cap=CAP, sp="true" if case["sp"] else "false",
-                           recompute=case["recompute"] == "full")
+        actor = tiny_actor(tp=case["tp"], pp=case["pp"], cap=case["cap"] // case["cp"], cp=case["cp"],
+                           sp="true" if case["sp"] else "false", recompute=case["recompute"] == "full")
     g = torch.Generator().manual_seed(3)
-    s = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENS]
+    s = [torch.randint(0, VOCAB, (n,), generator=g) for n in case["lens"]]
     with SavedActivationMeter(actor.model.parameters()) as meter:
         out = actor.train_batch(pack(s, train_fields(s)), ppo_loss)
     state = {
@@ -76,8 +81,9 @@ def _worker(rank, world, cases):
     return [_measure(c) for c in cases]
 
 
-def _case(tp=1, pp=1, sp=False, recompute=None):
-    return {"tp": tp, "pp": pp, "sp": sp, "recompute": recompute}
+def _case(tp=1, pp=1, sp=False, recompute=None, cp=1, lens=tuple(LENS), cap=CAP):
+    """``cap``: tokens of the packed row per micro-batch (each of the cp ranks holds cap / cp)."""
+    return {"tp": tp, "pp": pp, "sp": sp, "recompute": recompute, "cp": cp, "lens": lens, "cap": cap}
 
 
 def _predict(case, measured):
@@ -85,10 +91,10 @@ def _predict(case, measured):
     from areal_mcore.model.args import ModelArgs
 
     args = ModelArgs.from_hf(args_hf)
-    shape = TrainerShape(tp=case["tp"], pp=case["pp"], dp=measured["dp"], sequence_parallel=case["sp"],
+    shape = TrainerShape(tp=case["tp"], pp=case["pp"], dp=measured["dp"], cp=case["cp"], sequence_parallel=case["sp"],
                          recompute=case["recompute"] is not None,
-                         recompute_granularity=case["recompute"] or "full", tokens_per_mb=CAP,
-                         seqlens=(24, 24), n_micro_batches=measured["n_mb"], dtype_bytes=4,
+                         recompute_granularity=case["recompute"] or "full", tokens_per_mb=case["cap"] // case["cp"],
+                         n_micro_batches=measured["n_mb"], dtype_bytes=4,
                          path="local", vocab_divisible_by=8)
     return trainer_rank(args, shape, measured["stage"]).terms
 
@@ -107,10 +113,15 @@ def _check(cases, results, report):
             assert abs(state_err) <= STATE_TOL, (case, rank, m["state"], state_pred)
 
 
+# Two 256-token sequences in one micro-batch: long enough for the terms that grow with the
+# row (CP's gathered K/V) to show.
+LONG = dict(lens=(256, 256), cap=512)
 SINGLE = [_case(), _case(recompute="full"), _case(recompute="selective")]
 PAIR = [_case(),  # DP 2: the Adam shard halves
         _case(tp=2, sp=False), _case(tp=2, sp=True), _case(pp=2), _case(pp=2, recompute="full"),
-        _case(tp=2, sp=True, recompute="full")]
+        _case(tp=2, sp=True, recompute="full"),
+        _case(**LONG),  # DP 2, no quadratic term
+        _case(cp=2, **LONG)]  # CP 2: 256 tokens a rank; the Adam shard halves over DP x CP
 
 
 @pytest.mark.parametrize("world, cases", [(1, SINGLE), (2, PAIR)], ids=["one_rank", "two_ranks"])
@@ -164,7 +175,7 @@ def _moe_predict(case, measured, moe: bool):
     hf, _, _ = tiny_model(arch, vocab=VOCAB, **shape)
     args = ModelArgs.from_hf(hf)
     shape = TrainerShape(tp=case["tp"], dp=measured["dp"], ep=case["ep"] if moe else 1,
-                         sequence_parallel=case["tp"] > 1, tokens_per_mb=CAP, seqlens=(24, 24),
+                         sequence_parallel=case["tp"] > 1, tokens_per_mb=CAP,
                          n_micro_batches=measured["n_mb"], dtype_bytes=4, path="local", vocab_divisible_by=8)
     return args, shape, trainer_rank(args, shape, 0).terms
 

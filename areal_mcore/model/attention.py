@@ -23,6 +23,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -99,15 +100,25 @@ class CPUCoreAttention(MegatronModule):
         # (aten/src/ATen/native/transformers/sdp_utils_cpp.h, check_tensor_shapes), and the
         # math fallback upcasts bf16 to fp32 and keeps an [H, S, S] matrix per layer. SDPA's
         # GQA repeats K/V as repeat_interleave does: query head h reads kv head h // (Hq/Hkv).
-        # Fewer queries than keys (a CP chunk): the queries are the keys' last positions, so
-        # the causal mask is aligned to the bottom right; SDPA's is_causal aligns it to the
-        # top left (torch/nn/functional.py, scaled_dot_product_attention).
         q_1HSD, k_1HSD, v_1HSD = (t.transpose(0, 1).unsqueeze(0) for t in (q_SHD, k_SHD, v_SHD))
-        sq, sk = q_SHD.shape[0], k_SHD.shape[0]
+        if q_SHD.shape[0] == k_SHD.shape[0]:
+            return self._sdpa(q_1HSD, k_1HSD, v_1HSD)[0].transpose(0, 1)
+        # Fewer queries than keys (a CP chunk past a sequence's first): its causal mask, which
+        # SDPA materialises as [queries, keys] and saves for the backward in every layer,
+        # would hold more than the rest of the layer at long sequences (cp=2 saved 1.4x what
+        # cp=1 does at 4k tokens; bench/cp_memory.py). So this attention is recomputed in the
+        # backward: only q, k and v are kept (k and v are views of the gathered K/V).
+        out_1HSD = torch.utils.checkpoint.checkpoint(self._sdpa, q_1HSD, k_1HSD, v_1HSD, use_reentrant=False)
+        return out_1HSD[0].transpose(0, 1)
+
+    def _sdpa(self, q_1HSD, k_1HSD, v_1HSD):
+        # The queries are the keys' last positions, so a causal mask of fewer queries than
+        # keys is aligned to the bottom right; SDPA's is_causal aligns it to the top left
+        # (torch/nn/functional.py, scaled_dot_product_attention).
+        sq, sk = q_1HSD.shape[2], k_1HSD.shape[2]
         mask = None if sq == sk else causal_lower_right(sq, sk)
-        out_1HSD = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q_1HSD, k_1HSD, v_1HSD, is_causal=mask is None, attn_mask=mask, scale=self.softmax_scale,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q_1HSD.shape[1] != k_1HSD.shape[1],
         )
-        return out_1HSD[0].transpose(0, 1)

@@ -12,9 +12,39 @@ Saved activations per layer and token (elements), as megatron's layers save them
   (34·h per token without dropout masks and with flash attention) for this architecture.
 - ``local`` (the local spec on CPU, measured with ``actor.activation_memory.SavedActivationMeter``):
   torch's composite RMSNorm saves input, normalised input and output (3h+1 each, /s),
-  math SDPA saves q, the GQA-repeated k and v and the output (4q/t) plus one softmax
-  matrix per head (Hq/t · L per token, L the token's sequence length), RoPE's cos/sin
-  (4·head_dim per token, not sharded), SwiGLU 5f/t.
+  RoPE's cos/sin (4·head_dim per token, not sharded), SwiGLU 5f/t, and attention 4q/t +
+  3kv/t + the logsumexp: model/attention.py hands SDPA 4-D inputs with ``enable_gqa``, so
+  torch runs its fused CPU flash kernel (autograd node
+  ScaledDotProductFlashAttentionForCpuBackward0; torch 2.13), which saves q (after
+  RoPE), k (after RoPE), v (a view, so the whole fused QKV output q + 2kv), its output
+  and an fp32 logsumexp per head (Hq/t · 4/b), no softmax matrix and no repeated K/V;
+  linear_proj saves the output again as its input (the transposed output is copied). No
+  term is quadratic in the sequence length (measured to 0.1 % at 24 and 512 tokens).
+Context parallelism (cp > 1; ``T`` is then one CP rank's tokens, ``max_tokens_per_mb``,
+the whole row holding cp·T; every sequence is cut into 2·cp chunks of c = L / 2cp, rank r
+holding chunks r and 2cp−1−r: packing/cp.py):
+- ``local`` (model/attention.py ``CPUCoreAttention._forward_cp``): K and V are all-gathered
+  over the CP group (megatron ``gather_from_sequence_parallel_region``) and put in row
+  order (``index_select``, which saves its int64 index of the whole row: one tensor per
+  micro-batch layout, packing/cp.py ``cp_gather_order``, so 8·cp bytes per rank token once,
+  not per layer); each chunk's SDPA saves slices of them, so both whole-row buffers stay saved per
+  layer (2kv·cp/t per rank token), next to q and linear_proj's input (2q/t). A chunk that is
+  not its sequence's first attends to more keys than queries: its bottom-right causal mask
+  (``causal_lower_right``), which SDPA would materialise as [c, keys] and save, quadratic in
+  the length, is not kept: that chunk's attention is recomputed in the backward
+  (``torch.utils.checkpoint``), so it saves only its inputs (views of q and the gathered
+  K/V). A sequence's first chunk (on CP rank 0, the rank planned: half its tokens) saves
+  its output and logsumexp as without CP: (q/t + lse)/2 per rank token.
+- ``te`` (TransformerEngine's THD attention, ``cp_comm_type`` p2p, the default and the
+  only THD mode of TE 2.x): ``AttnFuncWithCPAndKVP2P`` (TransformerEngine
+  transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py) saves q,
+  one K/V chunk (``kv = p2p_comm_buffers[-1]``, the last one received: a rank's size),
+  the output and the softmax statistics: per rank token what flash attention saves
+  without CP. In flight, one layer at a time, its forward keeps every received K/V chunk
+  in ``p2p_comm_buffers`` (cp chunks, one rank's K and V each) until the layer returns,
+  and its backward two ``[2, *kv.shape]`` buffers (K/V and their gradients: 4 chunks).
+  Planned conservatively: max(cp, 4) chunks of 2kv/t per rank token, added once to the
+  saved peak as if they coexisted with it.
 MoE layers (Qwen3-MoE, megatron-core 0.16.1's MoELayer with the alltoall dispatcher and a
 SequentialMLP, ``moe_permute_fusion`` off): the attention and norms as above, and in place
 of the dense SwiGLU, per routed copy (k = top-k copies of each token, f = the expert width,
@@ -47,8 +77,13 @@ input (h/s) and rebuilds one layer at a time in the backward; selective recomput
 pp - rank - 1, plus the one in its steady state); the last stage also holds the logits
 [T, Vp/t] (saved by the logprob kernel) and, in the backward, their gradient.
 Model state per rank with megatron's DistributedOptimizer and our DDP settings
-(grad_reduce_in_fp32): weights b·N, fp32 grad buffer 4N, fp32 main params 4N/dp (when b
-< 4) and Adam moments 8N/dp, N = parameters on this TP rank of this stage. With a KL
+(grad_reduce_in_fp32): weights b·N, fp32 grad buffer 4N, fp32 main params 4N/(dp·cp)
+(when b < 4) and Adam moments 8N/(dp·cp), N = parameters on this TP rank of this stage:
+megatron's DDP reduces and the optimizer shards over the data-parallel group with context
+parallelism (parallel_state ``get_data_parallel_group(with_context_parallel=True)``, our
+``groups.dp_cp``), the CP ranks holding the same weights. Experts shard over the
+expert-data-parallel group instead, dp·cp/ep ranks (megatron's expert rank generator has
+no CP dimension: the EP groups are carved out of DP x CP). With a KL
 reference model (``ppo.kl_coef`` > 0) another b·N: the same architecture sharded the same
 way, parameters only (``MegatronActor.build_frozen_model``); its forward runs before
 training, so its activations never coexist with the training step's.
@@ -73,15 +108,13 @@ class TrainerShape:
     pp: int = 1
     dp: int = 1
     ep: int = 1  # expert parallelism: a rank holds num_experts / ep experts
+    cp: int = 1  # context parallelism: a rank holds 1/cp of every sequence (tokens_per_mb is its share)
     sequence_parallel: bool = False
     recompute: bool = False
     recompute_granularity: str = "full"
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
-    tokens_per_mb: int = 4096
-    # Sequence lengths in a micro-batch (the local path's attention is quadratic in them);
-    # None: one sequence filling the micro-batch (the worst case).
-    seqlens: tuple[int, ...] | None = None
+    tokens_per_mb: int = 4096  # one rank's tokens of a micro-batch (actor.mb_spec.max_tokens_per_mb)
     n_micro_batches: int | None = None  # None: at least pp (every stage fills its 1F1B window)
     dtype_bytes: int = 2
     path: str = "te"
@@ -93,6 +126,16 @@ class TrainerShape:
     @property
     def s(self) -> int:
         return self.tp if self.sequence_parallel and self.tp > 1 else 1
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks the distributed optimizer shards the (non-expert) state over: DP x CP."""
+        return self.dp * self.cp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks the experts' optimizer state shards over: DP x CP / EP."""
+        return max(self.dp * self.cp // self.ep, 1)
 
 
 @dataclass
@@ -158,10 +201,17 @@ def _stage_layers(args: ModelArgs, shape: TrainerShape, stage: int) -> range:
     return stage_layer_range(args.num_layers, shape.pp, stage, shape.first_stage_layers, shape.last_stage_layers)
 
 
-def _mean_seqlen_weight(shape: TrainerShape) -> float:
-    """Σ Lᵢ² / T: the per-token length a quadratic attention pays for."""
-    lens = shape.seqlens or (shape.tokens_per_mb,)
-    return sum(n * n for n in lens) / sum(lens)
+def local_attention_elements(args: ModelArgs, shape: TrainerShape) -> float:
+    """Saved elements per rank token of the local spec's core attention (module docstring):
+    the fused CPU flash kernel's inputs, output and fp32 logsumexp, linear_proj's input;
+    under CP the whole row's gathered K/V, and output and logsumexp only for the unmasked
+    first chunks (CP rank 0's, the rank planned)."""
+    t, b, cp = shape.tp, shape.dtype_bytes, shape.cp
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    lse = args.num_heads / t * 4 / b
+    if cp == 1:
+        return (4 * q + 3 * kv) / t + lse
+    return (2 * q + 2 * kv * cp) / t + (q / t + lse) / 2
 
 
 def layer_elements(args: ModelArgs, shape: TrainerShape, *, full: bool = False, moe: bool = False) -> float:
@@ -177,8 +227,7 @@ def layer_elements(args: ModelArgs, shape: TrainerShape, *, full: bool = False, 
         if moe:
             return 4 * h / s + (2 * q + 2 * kv) / t + moe_elements(args, shape)
         return 4 * h / s + (2 * q + 2 * kv + 4 * f) / t
-    attention = (2 * q + 2 * kv) / t if selective else (
-        4 * q / t + args.num_heads / t * _mean_seqlen_weight(shape))
+    attention = (2 * q + 2 * kv) / t if selective else local_attention_elements(args, shape)
     ffn = moe_elements(args, shape) if moe else 5 * f / t
     return (6 * h + 2) / s + attention + 4 * args.head_dim + ffn
 
@@ -205,12 +254,22 @@ def head_elements(args: ModelArgs, shape: TrainerShape) -> float:
     return norm / shape.s + vp + 12  # + int64 targets, lse, mean_z per token
 
 
+def cp_kv_in_flight_bytes(args: ModelArgs, shape: TrainerShape) -> float:
+    """TransformerEngine's p2p ring under CP: the K/V chunks one layer keeps in flight
+    (max(cp, 4) chunks of a rank's K and V; module docstring), 0 without CP or on CPU."""
+    if shape.cp == 1 or shape.path != "te":
+        return 0.0
+    kv = args.num_kv_heads * args.head_dim
+    return max(shape.cp, 4) * 2 * kv / shape.tp * shape.tokens_per_mb * shape.dtype_bytes
+
+
 def stage_activation_bytes(args: ModelArgs, shape: TrainerShape, stage: int) -> tuple[float, float, str]:
     """(peak bytes saved for backward, logits-gradient bytes, note) for one stage.
 
     The saved peak is the end of the forward (every micro-batch in flight plus, on the last
     stage, the head) or, with full recompute, the backward of a layer: the checkpoints
-    still waiting plus the one layer rebuilt (the head is freed by then)."""
+    still waiting plus the one layer rebuilt (the head is freed by then). Under CP on the
+    GPU, one layer's K/V ring buffers are added to it (``cp_kv_in_flight_bytes``)."""
     b, T = shape.dtype_bytes, shape.tokens_per_mb
     held = _stage_layers(args, shape, stage)
     layers, moe_layers = len(held), sum(map(args.is_moe_layer, held))
@@ -221,6 +280,8 @@ def stage_activation_bytes(args: ModelArgs, shape: TrainerShape, stage: int) -> 
               + moe_layers * layer_elements(args, shape, moe=True)) * T * b
     if stage == 0:
         per_mb += 8 * T  # the embedding's int64 token ids
+    if shape.cp > 1 and shape.path == "local" and not shape.recompute:  # (in the attention: recomputed)
+        per_mb += 8 * T * shape.cp  # the gathered K/V's int64 row-order index, one per micro-batch
     forward = in_flight * per_mb
     head = logits_grad = 0.0
     if stage == shape.pp - 1:
@@ -233,7 +294,13 @@ def stage_activation_bytes(args: ModelArgs, shape: TrainerShape, stage: int) -> 
         if moe_layers < layers:
             rebuilt = max(rebuilt, layer_elements(args, shape, full=True))
         peak = max(peak, forward + rebuilt * T * b)
+    ring = cp_kv_in_flight_bytes(args, shape)
+    peak += ring
     note = f"{in_flight} micro-batch(es) of {T} tokens in flight x {layers} layers"
+    if shape.cp > 1:
+        note = (f"{in_flight} micro-batch(es) of {T} tokens per CP rank ({T * shape.cp} of the row at CP "
+                f"{shape.cp}) in flight x {layers} layers" + (f" + {ring / 2**20:.0f} MiB of K/V in TE's p2p ring"
+                                                              if ring else ""))
     return peak, logits_grad, note
 
 
@@ -241,11 +308,12 @@ def trainer_rank(args: ModelArgs, shape: TrainerShape, stage: int) -> RankPlan:
     """The terms of one TP rank of ``stage``."""
     n = stage_params(args, shape, stage)
     # The distributed optimizer shards the experts' fp32 state over the expert-DP group,
-    # dp / ep ranks (megatron builds a separate buffer for them: DistributedDataParallel's
+    # dp x cp / ep ranks (megatron builds a separate buffer for them: DistributedDataParallel's
     # expert_parallel_buffers, over parallel_state's expert-data-parallel group); the rest
-    # over DP. So EP shrinks an expert's weights and grads per rank, not its optimizer state.
+    # over DP x CP (the data-parallel group with context parallelism). So EP shrinks an
+    # expert's weights and grads per rank, not its optimizer state; CP shrinks the state.
     experts = stage_expert_params(args, shape, stage)
-    sharded = (n - experts) / shape.dp + experts / max(shape.dp // shape.ep, 1)
+    sharded = (n - experts) / shape.dp_cp + experts / shape.expert_dp
     b = shape.dtype_bytes
     saved, logits_grad, note = stage_activation_bytes(args, shape, stage)
     last = stage == shape.pp - 1
@@ -262,7 +330,8 @@ def trainer_rank(args: ModelArgs, shape: TrainerShape, stage: int) -> RankPlan:
     }
     params = f"{n / 1e9:.3f} B params" + (
         f", {experts / 1e9:.3f} B of them experts (EP {shape.ep}; their optimizer state over "
-        f"expert-DP {max(shape.dp // shape.ep, 1)})" if experts else "")
+        f"expert-DP {shape.expert_dp})" if experts else "") + (
+        f"; optimizer state over DP x CP {shape.dp} x {shape.cp}" if shape.cp > 1 else "")
     notes = {"weights": params, "activations": note + (" + logits" if last else "")}
     return RankPlan(where=f"trainer stage {stage}", terms=terms, notes=notes)
 

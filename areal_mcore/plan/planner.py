@@ -1,8 +1,16 @@
 """``ExperimentConfig`` -> the memory plan, its verdict and the fixes that would make it fit.
 
-The config is read as a run would use it: the trainer's TP/PP from ``actor.parallel``, its
+The config is read as a run would use it: the trainer's TP/PP/CP from ``actor.parallel``, its
 DP from ``launch.allocation`` (the Slurm recipes set it; 1 otherwise, the conservative
 case: nothing sharded), the servers from ``server`` and ``rollout``.
+
+A micro-batch must hold every sequence: its packed row holds ``max_tokens_per_mb`` x cp
+tokens (``MegatronActor._mb_budget``), and the allocator refuses a longer sequence when it
+arrives, mid-run. A truncated response (``rollout.max_new_tokens``, which long-tailed
+responses reach: 3.4 % of boba's) after a one-token prompt is sure to come, so a row
+shorter than that does not fit; a row shorter than the longest possible sequence
+(``trainer.max_prompt_tokens`` + ``max_new_tokens``, a bound the prompts seldom reach) is
+warned about. Either way the fixes hold it: a larger cap, or more CP.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from areal_mcore.plan.memory import (
 from areal_mcore.weight_sync.buckets import sync_memory_bytes
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_CP = 16  # the largest context parallelism a fix proposes
 
 
 @dataclass
@@ -39,14 +48,24 @@ class Plan:
     fixes: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     algorithm: str | None = None  # the algo preset's keys as resolved (algo/presets.py)
+    cp: int = 1
+    longest: int = 0  # the longest possible sequence, padded as the actor pads it (0: unknown, SFT)
+    truncated: int = 0  # a truncated response after a one-token prompt, padded: sure to come
+    row_tokens: int = 0  # tokens of the packed row a micro-batch holds: max_tokens_per_mb x cp
 
     @property
     def peak(self) -> RankPlan:
         return max(self.trainer, key=lambda r: r.total)
 
     @property
+    def sequence_fits(self) -> bool:
+        """Whether a micro-batch holds the longest possible sequence."""
+        return self.longest <= self.row_tokens
+
+    @property
     def trainer_fits(self) -> bool:
-        return self.peak.total <= self.gpu_bytes
+        """The peak rank fits, and a micro-batch holds a truncated response (module docstring)."""
+        return self.peak.total <= self.gpu_bytes and self.truncated <= self.row_tokens
 
     @property
     def fits(self) -> bool:
@@ -54,12 +73,25 @@ class Plan:
 
 
 def trainer_dp(cfg) -> int:
-    """DP of the trainer from launch.allocation, when it describes this actor's TP x PP."""
+    """DP of the trainer from launch.allocation, when it describes this actor's TP x PP x CP."""
     alloc = parse_allocation(cfg.launch.allocation)
     p = cfg.actor.parallel
-    if (alloc.trainer.t, alloc.trainer.p) == (p.tp, p.pp):
+    if (alloc.trainer.t, alloc.trainer.p, alloc.trainer.c) == (p.tp, p.pp, p.cp):
         return alloc.trainer.d
     return 1
+
+
+def sequence_bounds(cfg) -> tuple[int, int]:
+    """(the longest possible sequence: max_prompt_tokens + max_new_tokens; a truncated
+    response after a one-token prompt), padded as the actor pads each sequence (to a
+    multiple of TP under sequence parallelism, of 2·cp under CP: ``MegatronActor._aligned``);
+    (0, 0) without a rollout (SFT: its lengths are the data's)."""
+    if cfg.rollout is None:
+        return 0, 0
+    p = cfg.actor.parallel
+    m = (p.tp if p.use_sequence_parallel else 1) * (2 * p.cp if p.cp > 1 else 1)
+    new = cfg.rollout.max_new_tokens
+    return (_round_up((cfg.trainer.max_prompt_tokens if cfg.trainer else 1) + new, m), _round_up(1 + new, m))
 
 
 def trainer_shape(cfg, gpu_bytes: float, args: ModelArgs) -> TrainerShape:
@@ -69,7 +101,7 @@ def trainer_shape(cfg, gpu_bytes: float, args: ModelArgs) -> TrainerShape:
         actor_dtype_bytes=_DTYPE_BYTES[a.dtype], tp=p.tp, ep=p.ep,
         padded_vocab=padded_vocab_size(args.vocab_size, p.tp, a.vocab_divisible_by)) if cfg.rollout is not None else 0
     return TrainerShape(
-        tp=p.tp, pp=p.pp, dp=trainer_dp(cfg), ep=p.ep, sequence_parallel=p.use_sequence_parallel,
+        tp=p.tp, pp=p.pp, dp=trainer_dp(cfg), ep=p.ep, cp=p.cp, sequence_parallel=p.use_sequence_parallel,
         recompute=a.recompute, recompute_granularity=a.recompute_granularity,
         first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
         tokens_per_mb=a.mb_spec.max_tokens_per_mb, dtype_bytes=_DTYPE_BYTES[a.dtype],
@@ -102,15 +134,17 @@ def make_plan(cfg, gpu_memory_gb: float | None = None, *, with_fixes: bool = Tru
     shape = server_shape(cfg, gpu_bytes)
     plan = Plan(architecture=source, gpu_bytes=gpu_bytes, dp=trainer_dp(cfg),
                 trainer=trainer_plan(args, trainer_shape(cfg, gpu_bytes, args)),
-                server=server_plan(args, shape) if shape else None)
+                server=server_plan(args, shape) if shape else None, cp=cfg.actor.parallel.cp,
+                row_tokens=cfg.actor.mb_spec.max_tokens_per_mb * cfg.actor.parallel.cp)
+    plan.longest, plan.truncated = sequence_bounds(cfg)
     if plan.server is not None:
         plan.server.update(rollout_concurrency(cfg, plan.server))
         # Judged at expected lengths: the engine admits by KV and retracts on overrun, so
         # the worst case (sequences_fit, every sequence at the full length) is reported only.
         plan.server["fits"] = plan.server["kv_pool_per_gpu"] > 0 and plan.server["fits_expected"]
-    if with_fixes and not plan.fits:
+    if with_fixes and not (plan.fits and plan.sequence_fits):
         plan.fixes = fixes(cfg, args, plan, gpu_memory_gb)
-    plan.warnings = [w for w in (allocation_disagreement(cfg),) if w]
+    plan.warnings = [w for w in (allocation_disagreement(cfg), _long_prompt_warning(plan)) if w]
     plan.algorithm = describe(cfg)
     return plan
 
@@ -119,7 +153,8 @@ def allocation_disagreement(cfg) -> str | None:
     """What is wrong when ``actor.parallel`` and ``launch.allocation``'s trainer disagree on
     TP/PP (an override of one but not the other): the plan cannot read DP from the
     allocation, and the Slurm launcher passes the allocation's t and p to the trainer
-    (launcher/slurm.py), so the run would not be the one planned."""
+    (launcher/slurm.py), so the run would not be the one planned. (CP cannot disagree:
+    config loading requires the allocation's c to equal actor.parallel.cp.)"""
     alloc, p = parse_allocation(cfg.launch.allocation), cfg.actor.parallel
     t = alloc.trainer
     if (t.t, t.p) == (p.tp, p.pp):
@@ -132,14 +167,24 @@ def allocation_disagreement(cfg) -> str | None:
                f"its {t.gpus} trainer GPUs do not tile at tp={p.tp} pp={p.pp}: change launch.allocation to match"))
 
 
-def _allocation_at(alloc, tp: int, pp: int) -> str | None:
-    """``alloc`` with its trainer's GPUs at ``tp`` x ``pp`` (DP takes the rest); None where
-    they do not tile, or EP (carved out of DP) no longer divides DP."""
-    t = alloc.trainer
-    if t.gpus % (tp * pp) or (t.gpus // (tp * pp)) % t.e:
+def _long_prompt_warning(plan: Plan) -> str | None:
+    """The row holds a truncated response but not the longest possible sequence."""
+    if plan.sequence_fits or plan.truncated > plan.row_tokens:
         return None
-    trainer = dataclasses.replace(t, d=t.gpus // (tp * pp), t=tp, p=pp)
-    return f"{alloc.rollout}+{trainer}" if alloc.rollout else str(trainer)
+    return (f"a sequence of trainer.max_prompt_tokens + rollout.max_new_tokens ({plan.longest} tokens, padded) "
+            f"does not fit a micro-batch (max_tokens_per_mb x cp = {plan.row_tokens}): the allocator refuses "
+            f"such a sample when it arrives; see the fixes below")
+
+
+def _allocation_at(alloc, tp: int, pp: int) -> str | None:
+    """``alloc`` with its trainer's GPUs at ``tp`` x ``pp`` and its own c (DP takes the
+    rest); None where they do not tile, or EP (carved out of DP x CP) no longer divides
+    DP x CP."""
+    t = alloc.trainer
+    if t.gpus % (tp * pp * t.c) or (t.gpus // (tp * pp)) % t.e:
+        return None
+    trainer = dataclasses.replace(t, d=t.gpus // (tp * pp * t.c), t=tp, p=pp)
+    return str(dataclasses.replace(alloc, trainer=trainer))
 
 
 def rollout_concurrency(cfg, server: dict) -> dict:
@@ -167,19 +212,31 @@ def _candidates(cfg, args: ModelArgs, plan: Plan) -> list[tuple[str, list[tuple[
     """(part fixed: "trainer" | "server", overrides) for every knob worth trying."""
     a, p = cfg.actor, cfg.actor.parallel
     out: list[tuple[str, list[tuple[str, object]]]] = []
-    if not plan.trainer_fits:
+    if not plan.trainer_fits or not plan.sequence_fits:
         if not a.recompute:
             out.append(("trainer", [("actor.recompute", True)]))
         if p.tp > 1 and not p.use_sequence_parallel:
             out.append(("trainer", [("actor.parallel.sequence_parallel", "true")]))
             if not a.recompute:
                 out.append(("trainer", [("actor.recompute", True), ("actor.parallel.sequence_parallel", "true")]))
-        longest = (cfg.trainer.max_prompt_tokens if cfg.trainer else 0) + (
-            cfg.rollout.max_new_tokens if cfg.rollout else 0)
-        cap = a.mb_spec.max_tokens_per_mb // 2
-        while cap >= max(longest, 1024):  # a micro-batch must hold the longest sequence
+        longest, cap = plan.longest, a.mb_spec.max_tokens_per_mb
+        if not plan.sequence_fits:  # the least cap that holds it (more activations: with recompute too)
+            need = [("actor.mb_spec.max_tokens_per_mb", _round_up(-(-longest // p.cp), 1024))]
+            out.append(("trainer", need))
+            if not a.recompute:
+                out.append(("trainer", [("actor.recompute", True), *need]))
+        cap //= 2
+        while cap * p.cp >= longest and cap >= 1024:  # a micro-batch must hold the longest sequence
             out.append(("trainer", [("actor.mb_spec.max_tokens_per_mb", cap)]))
             cap //= 2
+        # More CP: each rank holds 1/cp of the row, whose budget stays (or grows to the longest
+        # sequence); fixes() keeps the smallest cp that fits and drops the larger ones.
+        row = max(a.mb_spec.max_tokens_per_mb * p.cp, longest)
+        cp = 2 * p.cp
+        while cp <= MAX_CP and -(-row // cp) >= 1024:
+            out.append(("trainer", [("actor.parallel.cp", cp),
+                                    ("actor.mb_spec.max_tokens_per_mb", _round_up(-(-row // cp), 128))]))
+            cp *= 2
         if args.num_layers % (2 * p.pp) == 0:
             out.append(("trainer", [("actor.parallel.pp", 2 * p.pp)]))
         if 2 * p.tp <= 8 and args.num_kv_heads % (2 * p.tp) == 0:
@@ -202,12 +259,23 @@ def fixes(cfg, args: ModelArgs, plan: Plan, gpu_memory_gb: float | None) -> list
 
     TP/PP changes keep the trainer's GPU count, so DP shrinks with them (launch.allocation
     is rewritten to match); an EP change rewrites the allocation's e (EP is carved out of
-    DP: the GPUs stay); the other knobs leave the allocation as it is."""
-    out = []
+    DP: the GPUs stay); a CP change rewrites the allocation's c with it (config loading
+    requires them equal) and keeps the trainer's GPUs where d divides by the factor (d
+    shrinks, DP x CP and so the optimizer's shard stay), else adds GPUs (c multiplies them)
+    and says so; of the CP candidates only those up to the smallest that fits are kept.
+    The other knobs leave the allocation as it is."""
+    out, cp_fits = [], False
     for part, change in _candidates(cfg, args, plan):
         keys = dict(change)
+        note = None
         if "actor.parallel.ep" in keys:
             new = _with_ep(cfg, keys["actor.parallel.ep"])
+            if new is None:
+                continue
+        elif "actor.parallel.cp" in keys:
+            if cp_fits:
+                continue
+            new, note = _with_cp(cfg, keys["actor.parallel.cp"], keys["actor.mb_spec.max_tokens_per_mb"])
             if new is None:
                 continue
         else:
@@ -222,21 +290,51 @@ def fixes(cfg, args: ModelArgs, plan: Plan, gpu_memory_gb: float | None) -> list
             after = make_plan(new, gpu_memory_gb, with_fixes=False)
         except ValueError:
             continue
+        fits = (after.trainer_fits and after.sequence_fits if part == "trainer"
+                else bool(after.server and after.server["fits"]))
+        cp_fits = cp_fits or ("actor.parallel.cp" in keys and fits)
         out.append({"overrides": [f"{k}={_yaml(v)}" for k, v in change]
                     + ([f"launch.allocation={new.launch.allocation}"]
                        if new.launch.allocation != cfg.launch.allocation else []),
                     "part": part, "trainer_peak_gib": round(after.peak.total / GiB, 1),
-                    "fits": after.trainer_fits if part == "trainer" else bool(after.server and after.server["fits"]),
-                    "all_fit": after.fits})
+                    "fits": fits, "all_fit": after.fits, **({"note": note} if note else {})})
     return out
+
+
+def _with_cp(cfg, cp: int, max_tokens_per_mb: int):
+    """(``cfg`` at context parallelism ``cp`` with ``max_tokens_per_mb``, the allocation's c
+    with it, and what that does to the trainer's GPUs), or (None, None) where the config
+    refuses it. The GPUs stay where the allocation's d divides by the factor (d shrinks,
+    so DP x CP, the optimizer's shard, stays); else d stays and c adds GPUs."""
+    alloc = parse_allocation(cfg.launch.allocation)
+    t, factor = alloc.trainer, cp // cfg.actor.parallel.cp
+    if t.d % factor == 0:
+        trainer = dataclasses.replace(t, d=t.d // factor, c=cp)
+        note = (f"the trainer keeps its {t.gpus} GPUs: DP {t.d} -> {trainer.d} x CP {cp}, each rank holding "
+                f"1/{cp} of every sequence")
+    else:
+        trainer = dataclasses.replace(t, c=cp)
+        note = (f"the trainer needs {trainer.gpus} GPUs (was {t.gpus}): c{cp} multiplies them, DP {t.d} "
+                f"cannot shrink by {factor}")
+    try:
+        new = dataclasses.replace(
+            cfg, actor=_replace(_replace(cfg.actor, "parallel.cp", cp), "mb_spec.max_tokens_per_mb", max_tokens_per_mb),
+            launch=dataclasses.replace(cfg.launch, allocation=str(dataclasses.replace(alloc, trainer=trainer))))
+    except ValueError:
+        return None, None
+    return new, note
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
 
 
 def _with_ep(cfg, ep: int):
     """``cfg`` at expert parallelism ``ep``, the allocation's e with it (config loading
     requires them equal, so both change at once); None where ep cannot divide the
-    allocation's d or the config refuses it (the distributed weight sync at ep > 1)."""
+    allocation's d x c or the config refuses it (the distributed weight sync at ep > 1)."""
     alloc = parse_allocation(cfg.launch.allocation)
-    if alloc.trainer.d % ep:
+    if (alloc.trainer.d * alloc.trainer.c) % ep:
         return None
     trainer = dataclasses.replace(alloc.trainer, e=ep)
     try:

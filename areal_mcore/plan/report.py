@@ -17,7 +17,8 @@ def format_table(plan: Plan) -> str:
     """Trainer terms per pipeline stage, the rollout server, the verdict and any fixes."""
     gpu = _gib(plan.gpu_bytes)
     lines = [f"memory plan per GPU (GiB) on {gpu} GiB GPUs; architecture from {plan.architecture}; "
-             f"trainer DP {plan.dp}"] + [f"warning: {w}" for w in plan.warnings]
+             f"trainer DP {plan.dp}" + (f" x CP {plan.cp}" if plan.cp > 1 else "")]
+    lines += [f"warning: {w}" for w in plan.warnings]
     if plan.algorithm:
         lines.append(plan.algorithm)
     head = ["rank"] + list(_TERMS) + ["total", "fits"]
@@ -29,6 +30,14 @@ def format_table(plan: Plan) -> str:
     peak = plan.peak
     lines.append(f"peak trainer rank: {peak.where}, {_gib(peak.total)} GiB "
                  f"({peak.notes.get('activations', '')}; {peak.notes.get('weights', '')})")
+    if plan.longest:
+        row = f"max_tokens_per_mb x cp = {plan.row_tokens // plan.cp} x {plan.cp} = {plan.row_tokens}"
+        if plan.sequence_fits:
+            lines.append(f"longest sequence {plan.longest} tokens (max_prompt_tokens + max_new_tokens, padded): "
+                         f"a micro-batch holds it ({row})")
+        elif plan.truncated > plan.row_tokens:
+            lines.append(f"a truncated response alone ({plan.truncated} tokens with a one-token prompt, padded) "
+                         f"does NOT fit a micro-batch ({row} tokens; the allocator refuses it when it arrives)")
     s = plan.server
     if s is not None:
         lines.append(f"rollout server (per GPU): weights {_gib(s['weights_per_gpu'])}, KV pool "
@@ -48,13 +57,16 @@ def format_table(plan: Plan) -> str:
         what = (f"trainer peak {fix['trainer_peak_gib']} GiB" if fix["part"] == "trainer"
                 else "rollout server")
         lines.append(f"  fix ({fix['part']}): {' '.join(fix['overrides'])} -> {what}, "
-                     + ("fits" if fix["fits"] else "not enough alone"))
+                     + ("fits" if fix["fits"] else "not enough alone")
+                     + (f" ({fix['note']})" if fix.get("note") else ""))
     return "\n".join(lines)
 
 
 def to_json(plan: Plan) -> dict:
     return {
         "architecture": plan.architecture, "gpu_memory_gib": plan.gpu_bytes / GiB, "trainer_dp": plan.dp,
+        "trainer_cp": plan.cp, "longest_sequence": plan.longest, "truncated_sequence": plan.truncated,
+        "micro_batch_row_tokens": plan.row_tokens, "sequence_fits": plan.sequence_fits,
         "trainer": [{"rank": r.where, **{f"{k}_gib": v / GiB for k, v in r.terms.items()},
                      "total_gib": r.total / GiB, "fits": r.total <= plan.gpu_bytes, "notes": r.notes}
                     for r in plan.trainer],
