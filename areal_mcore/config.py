@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -165,8 +166,9 @@ class ExperimentConfig(InferenceConfig):
         # which command runs there: they must name the same engine.
         launch, server = self.launch, self.server
         backend = server.backend if server is not None else "embedded"
-        if launch.allocation is None:
-            derived = "megatron:d1" if launch.stage == "sft" else f"{backend}:d1+megatron:d1"
+        if launch.allocation is None:  # (c: a CP run's trainer takes cp GPUs)
+            cp = f"c{self.actor.parallel.cp}" if self.actor.parallel.cp > 1 else ""
+            derived = f"megatron:d1{cp}" if launch.stage == "sft" else f"{backend}:d1+megatron:d1{cp}"
             self.launch = dataclasses.replace(launch, allocation=derived)
             return
         alloc = parse_allocation(launch.allocation)
@@ -175,7 +177,9 @@ class ExperimentConfig(InferenceConfig):
             # One CP size, stated twice: the allocation's c (how many GPUs the trainer gets,
             # and what the planner reads) and the actor's (how it splits each sequence). A
             # missing c is c1, so a CP run spells it in the allocation.
-            fixed = dataclasses.replace(alloc, trainer=dataclasses.replace(trainer, c=p.cp))
+            # (e kept where it still divides d x c: EP is carved out of those ranks)
+            fixed = dataclasses.replace(alloc, trainer=dataclasses.replace(
+                trainer, c=p.cp, e=math.gcd(trainer.d * p.cp, trainer.e)))
             raise ValueError(
                 f"launch.allocation={launch.allocation!r} has c{trainer.c} (context parallelism) but "
                 f"actor.parallel.cp={p.cp}: they must agree; set launch.allocation={str(fixed)!r} "

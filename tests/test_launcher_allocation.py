@@ -149,6 +149,13 @@ def test_c_and_actor_parallel_cp_must_agree_when_the_config_loads():
                                          r"agree; set launch\.allocation='megatron:d8t2' .* or actor\.parallel\.cp=2"):
         load_config("configs/boba_32b_sft.yaml", sft)
     assert load_config("configs/boba_32b_sft.yaml", [*sft, "actor.parallel.cp=2"]).actor.parallel.cp == 2
+    # The allocation it suggests parses: e, carved out of d x c, shrinks with c.
+    with pytest.raises(ValueError, match=r"set launch\.allocation='megatron:d1' \(c adds GPUs"):
+        load_config("configs/boba_32b_sft.yaml", ["launch.stage=sft", "launch.allocation=megatron:d1c2e2"])
+    # Without an allocation (torchrun by hand) the derived one gives the trainer its cp GPUs.
+    derived = load_config("configs/boba_32b_sft.yaml", ["launch.stage=sft", "launch.allocation=null",
+                                                        "actor.parallel.cp=2"]).launch.allocation
+    assert derived == "megatron:d1c2" and parse_allocation(derived).trainer.gpus == 2
 
 
 @pytest.mark.parametrize("gpus,cfg,env,flags", [

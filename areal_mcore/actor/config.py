@@ -60,7 +60,7 @@ class OptimizerConfig:
 
 
 SEQUENCE_PARALLEL = ("auto", "true", "false")
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+CP_COMM_TYPES = ("p2p",)
 
 
 @dataclass(kw_only=True)
@@ -81,14 +81,13 @@ class ParallelConfig:
     # CP ranks hold the same sequences and gradients reduce over DP x CP.
     cp: int = 1
     # How TransformerEngine's attention exchanges K/V between CP ranks on the GPU (megatron's
-    # TransformerConfig.cp_comm_type, passed to TEDotProductAttention): "p2p" (TE's default, a
-    # ring of K/V chunks overlapped with attention), "all_gather" (the whole row's K/V before
-    # attention, not overlapped) or "a2a" (Ulysses: heads scattered over CP; the KV heads per
-    # TP rank must divide by cp). Our batches are packed (THD): the TE 2.x releases read
-    # (attention/dot_product_attention/context_parallel.py) take THD only on p2p and assert
-    # qkv_format != "thd" in the all_gather and a2a functions, so those need a TE that lifted
-    # it. Megatron's "a2a+p2p" needs hierarchical CP groups, which actor/parallel.py does not
-    # build. The CPU attention always all-gathers (the same numbers whatever is set here).
+    # TransformerConfig.cp_comm_type, passed to TEDotProductAttention): "p2p", a ring of K/V
+    # chunks overlapped with attention. TE's other modes are refused: "all_gather" and "a2a"
+    # (Ulysses) assert qkv_format != "thd" in the TE 2.x releases read
+    # (attention/dot_product_attention/context_parallel.py, AttnFuncWithCPAndKVAllGather and
+    # AttnFuncWithCPAndQKVOA2A), and every batch here is packed (THD); "a2a+p2p" needs
+    # hierarchical CP groups, which actor/parallel.py does not build. The CPU attention
+    # all-gathers (the same numbers).
     cp_comm_type: str = "p2p"
     # Megatron sequence parallelism: activations outside the TP regions (norms, residual)
     # sharded over the TP ranks along the tokens. "auto": on when tp > 1 (as slime, AReaL
@@ -104,6 +103,11 @@ class ParallelConfig:
         check_positive("pp", self.pp)
         check_positive("ep", self.ep)
         check_positive("cp", self.cp)
+        if self.cp_comm_type in ("all_gather", "a2a", "a2a+p2p"):
+            raise field_error("cp_comm_type", self.cp_comm_type,
+                              "is not supported: TransformerEngine's all_gather and a2a context parallelism "
+                              "take no packed (THD) sequences, which the trainer trains on, and a2a+p2p needs "
+                              "hierarchical CP groups; use p2p")
         check_choice("cp_comm_type", self.cp_comm_type, CP_COMM_TYPES)
         self.sequence_parallel = str(self.sequence_parallel).lower()
         check_choice("sequence_parallel", self.sequence_parallel, SEQUENCE_PARALLEL)

@@ -366,8 +366,8 @@ class MegatronActor:
                                         kernel=self.cfg.logprob_kernel)
             # A segment's last position scores its first token (shift_left's wrap-around): 0,
             # as a sequence's first token gets without CP (token_aligned).
-            keep = ~predicts_nothing(mb.seqlens_padded, g.cp_size, g.cp_rank, logp.device)
-            return logp * keep, ent * keep
+            nothing = predicts_nothing(mb.seqlens_padded, g.cp_size, g.cp_rank, logp.device)
+            return logp.masked_fill(nothing, 0.0), ent.masked_fill(nothing, 0.0)
         return token_logprobs_entropy(logits_1TV.squeeze(0), mb.input_ids, mb.cu_seqlens_padded,
                                       vocab_size=self.args.vocab_size, tp_rank=g.tp_rank, tp_group=g.tp,
                                       temperature=temperature, kernel=self.cfg.logprob_kernel)

@@ -69,7 +69,7 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> ParallelGroups:
     if world % (cfg.tp * cfg.ep * cfg.pp):
         raise ValueError(f"actor.parallel.ep={cfg.ep}: world size {world} is not divisible by "
                          f"tp={cfg.tp} x ep={cfg.ep} x pp={cfg.pp}; ep must divide the data-parallel "
-                         f"size {world // (cfg.tp * cfg.pp)}")
+                         f"size x cp, {world // (cfg.tp * cfg.pp)}")
     mcore_compat.warn_if_untested()
     apply_cpu_shims()
     if mpu.model_parallel_is_initialized():

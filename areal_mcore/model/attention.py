@@ -107,7 +107,11 @@ class CPUCoreAttention(MegatronModule):
         # SDPA materialises as [queries, keys] and saves for the backward in every layer,
         # would hold more than the rest of the layer at long sequences (cp=2 saved 1.4x what
         # cp=1 does at 4k tokens; bench/cp_memory.py). So this attention is recomputed in the
-        # backward: only q, k and v are kept (k and v are views of the gathered K/V).
+        # backward: only q, k and v are kept (k and v are views of the gathered K/V). Under
+        # megatron's recompute (full, or selective core_attn) the layer keeps nothing of it
+        # already, and a second checkpoint would only run it a third time.
+        if self.config.recompute_granularity is not None:
+            return self._sdpa(q_1HSD, k_1HSD, v_1HSD)[0].transpose(0, 1)
         out_1HSD = torch.utils.checkpoint.checkpoint(self._sdpa, q_1HSD, k_1HSD, v_1HSD, use_reentrant=False)
         return out_1HSD[0].transpose(0, 1)
 

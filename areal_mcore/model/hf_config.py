@@ -56,13 +56,6 @@ def transformer_config(args: ModelArgs, *, tp_size: int, pp_size: int, params_dt
     for name, value in (("num_attention_heads", args.num_heads), ("num_key_value_heads", args.num_kv_heads)):
         if value % tp_size:
             raise ValueError(f"{name}={value} must be divisible by tp={tp_size}")
-    if cp_size > 1 and cp_comm_type == "a2a" and (args.num_kv_heads // tp_size) % cp_size:
-        # Ulysses scatters each TP rank's heads over the CP ranks: TE's a2a path asserts "The
-        # number of attention heads needs to be divisible by CP size!" for q and k
-        # (attention/dot_product_attention/context_parallel.py, AttnFuncWithCPAndQKVOA2A).
-        raise ValueError(f"actor.parallel.cp_comm_type=a2a scatters attention heads over the CP ranks: "
-                         f"num_key_value_heads={args.num_kv_heads} / tp={tp_size} must divide by cp={cp_size}; "
-                         f"use p2p or all_gather")
     if recompute_granularity not in RECOMPUTE_GRANULARITIES:
         raise ValueError(f"recompute_granularity={recompute_granularity!r}: choose one of "
                          f"{list(RECOMPUTE_GRANULARITIES)}")

@@ -141,8 +141,8 @@ def cp_gather(local_t: torch.Tensor, seqlens_padded: Sequence[int], cp_size: int
 def cp_view(batch: PackedBatch, cp_size: int, cp_rank: int, group: dist.ProcessGroup | None) -> PackedBatch:
     """CP rank ``cp_rank``'s share of ``batch`` as the loss reads it: every field is taken
     at the predicting positions (``shift_left``: field[t] belongs to token t + 1, the one
-    the logits at t score; a value on a sequence's first token has no predicting position
-    and is dropped), then cut to the rank's tokens. Its layout is the rank's local one:
+    the logits at t score; a sequence's first token's value goes to its last position,
+    which predicts nothing), then cut to the rank's tokens. Its layout is the rank's local one:
     each sequence's 2 chunks are one segment of ``n / cp`` tokens (true lengths are not
     tracked: ``seqlens`` equals the layout's). ``cp_group`` marks it as a share."""
     idx = cp_token_index(batch.seqlens_padded, cp_size, cp_rank, batch.input_ids.device)
