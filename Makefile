@@ -117,7 +117,9 @@ MCORE_TESTS_ALL := $(MCORE_BASE) tests/test_sequence_parallel.py tests/test_tied
 # and group rules and the loop's scheduling and stop file, whose megatron part (the TP/PP
 # gather, the HF export, the train step, checkpoint save and resume) the tests kept here
 # already run on 0.19 (about 10 min of one core saved; the stage took 16m56s beside the
-# main suite on 2026-12-03 before the last three went).
+# main suite on 2026-12-03 before the last three went). Of the conversions, HF -> TP2 x PP2
+# -> HF stays (bitwise, on 0.19's dist-checkpointing); the two others repeat its megatron
+# part with other layouts and a refusal (155 s of one core on 2026-12-06).
 MCORE_DESELECT ?= $(addprefix --deselect tests/,\
 	test_weight_sync.py::test_a_push_failed_mid_bucket_closes_the_session_and_the_next_push_succeeds \
 	test_weight_sync.py::test_a_failed_broadcast_does_not_leave_the_server_in_its_receive \
@@ -127,7 +129,9 @@ MCORE_DESELECT ?= $(addprefix --deselect tests/,\
 	test_ppo_e2e.py::test_async_ppo_run_at_the_tiny_runs_load_stays_within_max_head_offpolicyness \
 	test_ppo_e2e.py::test_a_stop_file_checkpoints_and_exits_and_the_next_run_goes_on \
 	test_weight_sync.py::test_a_refused_bucket_fails_the_push_at_once_and_the_next_push_succeeds \
-	test_weight_sync.py::test_a_server_killed_mid_update_is_dropped_and_the_push_is_done_again_to_the_survivor)
+	test_weight_sync.py::test_a_server_killed_mid_update_is_dropped_and_the_push_is_done_again_to_the_survivor \
+	test_convert.py::test_tp2_pp1_and_tp1_pp2_checkpoints_convert_identically \
+	test_convert.py::test_config_mismatch_lists_every_field_and_writes_nothing)
 test-mcore019: install install-mcore019
 	AREAL_MCORE_OTHER_PY=$(abspath $(PY)) $(PY019) -m pytest $(MCORE_TESTS) $(MCORE_DESELECT) \
 	  -n $(MCORE_WORKERS) $(XDIST) $(PYTEST_ARGS)
