@@ -18,6 +18,7 @@ from areal_mcore.eval.choices import shuffle_choices
 from areal_mcore.eval.config import EvalConfig, eval_job, eval_server_config, sampling
 from areal_mcore.eval.passk import default_ks, pass_at_k, pass_at_ks
 from areal_mcore.rollout.config import ServerConfig
+from areal_mcore.rollout.controller import RolloutConfig
 from areal_mcore.rollout.servers import server_command
 
 # ---------------------------------------------------------------------------- pass@k
@@ -169,9 +170,12 @@ def test_correct_samples_are_counted_per_problem(monkeypatch):
     from areal_mcore.eval import run
     from areal_mcore.rollout import client as client_mod
 
+    configs = []
+
     class FakeClient:
         def __init__(self, cfg):
             self.calls = {}  # per prompt: the k-th request gets output [k]
+            configs.append(cfg)
 
         async def __aenter__(self):
             return self
@@ -192,9 +196,14 @@ def test_correct_samples_are_counted_per_problem(monkeypatch):
     data = [(DatasetConfig(path=f"d{i}.jsonl"), [Prompt(input_ids=[i, j], solutions=(str(c),), source=f"d{i}:{j}")
                                                  for j, c in enumerate(cs)], 0) for i, cs in enumerate(wanted)]
     decode = lambda ids: str(ids[0])  # noqa: E731
+    # The run's rollout section sets the client's request policy, as for the run's own client.
+    policy = RolloutConfig(max_new_tokens=8, stall_after_s=123.0, min_request_deadline_s=45.0, max_bad_answers=7)
     job = eval_job(InferenceConfig(eval=EvalConfig(model_kind="rl", n_samples=4, ks=[2, 4], data=["x.jsonl"]),
-                                   server=ServerConfig(model_path="m")))
+                                   server=ServerConfig(model_path="m"), rollout=policy))
     rows = asyncio.run(run._sample(job, ["fake:1"], reward, decode, data))
+    (client,) = configs
+    assert (client.stall_after_s, client.min_deadline_s, client.max_bad_answers) == (123.0, 45.0, 7)
+    assert client.max_connections == job.eval.max_concurrent_rollouts * 4  # eval's own concurrency
     assert [[p["correct"] for p in r["per_problem"]] for r in rows] == wanted
     assert rows[0]["pass@1"] == pytest.approx(7 / 12) and rows[0]["pass@4"] == pytest.approx(2 / 3)
     assert rows[1]["pass@2"] == pytest.approx(pass_at_k(4, 1, 2))
@@ -255,7 +264,7 @@ def test_eval_defaults_come_from_the_experiment_sections(monkeypatch):
     run = load_config(TINY)
     job = _job_of(monkeypatch, "--config", str(TINY), "--model-kind", "rl")
     assert job.server == run.server and job.server.model_path == run.model_path == job.tokenizer_path
-    assert job.datasets == [run.eval_dataset] and job.reward == run.reward
+    assert job.datasets == [run.eval_dataset] and job.reward == run.reward and job.rollout == run.rollout
     e = job.eval
     assert (e.seed, e.max_new_tokens, e.max_prompt_tokens) == (run.rollout.seed + 1, run.rollout.max_new_tokens,
                                                                 run.trainer.max_prompt_tokens)

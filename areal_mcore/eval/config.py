@@ -18,11 +18,15 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from areal_mcore.checks import FieldError, check_choice, check_positive, field_error
 from areal_mcore.data.jsonl import FORMATS, THINK_MODES, DatasetConfig
 from areal_mcore.reward.pool import RewardPoolConfig
 from areal_mcore.rollout.config import ServerConfig
+
+if TYPE_CHECKING:  # an annotation only: this leaf imports nothing of the rollout loop
+    from areal_mcore.rollout.controller import RolloutConfig
 
 MODEL_KINDS = ("rl", "sft", "base")
 # (temperature, top_p): boba samples SFT and base models at 0.6/0.95, RL models at 1.0/1.0.
@@ -129,6 +133,9 @@ class EvalJob:
     server: ServerConfig  # model_path: the model evaluated; addresses: servers already running
     tokenizer_path: str
     reward: RewardPoolConfig
+    # The experiment's rollout section (None: none): the client's request policy (stall
+    # detection, deadlines, bad answers), as the run's own client has it.
+    rollout: RolloutConfig | None = None
 
 
 @dataclass(kw_only=True)
@@ -140,6 +147,7 @@ class FilterJob:
     server: ServerConfig  # model_path: the model sampled; addresses: servers already running
     tokenizer_path: str | None  # None: no model named (scoring precomputed samples needs none)
     reward: RewardPoolConfig
+    rollout: RolloutConfig | None = None  # as EvalJob.rollout
 
 
 # What eval and the filters take from the rest of an experiment config is resolved in the
@@ -177,7 +185,7 @@ def eval_job(cfg) -> EvalJob:
         # seeds draw the same samples from the same weights.
         seed=e.seed if e.seed is not None else (rollout.seed + 1 if rollout else 1))
     return EvalJob(eval=resolved, datasets=datasets, server=server,
-                   tokenizer_path=cfg.tokenizer_path or server.model_path, reward=cfg.reward)
+                   tokenizer_path=cfg.tokenizer_path or server.model_path, reward=cfg.reward, rollout=rollout)
 
 
 def filter_job(cfg) -> FilterJob:
@@ -193,7 +201,7 @@ def filter_job(cfg) -> FilterJob:
         f, max_new_tokens=f.max_new_tokens or (rollout.max_new_tokens if rollout else DEFAULT_MAX_NEW_TOKENS),
         max_prompt_tokens=f.max_prompt_tokens or (trainer.max_prompt_tokens if trainer else DEFAULT_MAX_PROMPT_TOKENS))
     return FilterJob(filter=resolved, dataset=cfg.dataset, server=server,
-                     tokenizer_path=cfg.tokenizer_path or server.model_path, reward=cfg.reward)
+                     tokenizer_path=cfg.tokenizer_path or server.model_path, reward=cfg.reward, rollout=rollout)
 
 
 def eval_server_config(server: ServerConfig) -> ServerConfig:

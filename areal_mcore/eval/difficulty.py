@@ -98,16 +98,18 @@ def _sample(job: FilterJob, tokenizer, todo, *, total: int, initial: int) -> dic
 
 
 async def _sample_chunks(job: FilterJob, addresses, reward_fn, decode, todo, bar, api_key: str | None) -> dict:
-    from areal_mcore.rollout.client import ClientConfig, RolloutClient, served_vocab_size
+    from areal_mcore.rollout.client import ClientConfig, RolloutClient
     from areal_mcore.rollout.controller import RolloutConfig, RolloutController
 
     cfg, path = job.filter, _samples_path(job.filter.out)
     temperature, top_p = sampling(cfg)
     out: dict[int, list[float]] = {}
     path.parent.mkdir(parents=True, exist_ok=True)
-    async with RolloutClient(ClientConfig(addresses=addresses, api_key=api_key,
-                                          backend=job.server.backend,
-                                          vocab_size=served_vocab_size(job.server.model_path))) as client:
+    # The run's request policy where the config has a rollout section, else the defaults;
+    # no connection cap (each chunk bounds its requests).
+    policy = job.rollout or RolloutConfig(max_new_tokens=cfg.max_new_tokens)
+    async with RolloutClient(ClientConfig.from_sections(policy, job.server, addresses=addresses, api_key=api_key,
+                                                        max_connections=0)) as client:
         for start in range(0, len(todo), cfg.chunk):
             chunk = todo[start:start + cfg.chunk]
             # Seeded by the chunk's first line: the same run draws the same samples.

@@ -132,7 +132,7 @@ async def _sample(job: EvalJob, addresses: list[str], reward_fn, decode, data, *
                   api_key: str | None = None) -> list[dict]:
     from tqdm import tqdm
 
-    from areal_mcore.rollout.client import ClientConfig, RolloutClient, served_vocab_size
+    from areal_mcore.rollout.client import ClientConfig, RolloutClient
     from areal_mcore.rollout.controller import RolloutConfig, RolloutController
 
     cfg = job.eval
@@ -141,10 +141,9 @@ async def _sample(job: EvalJob, addresses: list[str], reward_fn, decode, data, *
                             top_p=top_p, seed=cfg.seed, max_concurrent_rollouts=cfg.max_concurrent_rollouts)
     ks = cfg.ks or default_ks(cfg.n_samples)
     rows = []
-    async with RolloutClient(ClientConfig(addresses=addresses, api_key=api_key,
-                                          backend=job.server.backend,
-                                          vocab_size=served_vocab_size(job.server.model_path),
-                                          max_connections=rollout.connections)) as client:
+    # The run's request policy where the config has a rollout section, else the defaults.
+    async with RolloutClient(ClientConfig.from_sections(job.rollout or rollout, job.server, addresses=addresses,
+                                                        api_key=api_key, max_connections=rollout.connections)) as client:
         for d, prompts, dropped in data:
             t0 = time.perf_counter()
             # stderr, as filter's and train's bars: the report lines stay on stdout.

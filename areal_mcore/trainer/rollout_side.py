@@ -19,7 +19,7 @@ from areal_mcore.data.prompts import prompts_for
 from areal_mcore.data.sampler import EpochSampler
 from areal_mcore.reward.pool import RewardCounts, RewardPool
 from areal_mcore.rollout.auth import configured_key, launch_key
-from areal_mcore.rollout.client import ClientConfig, RolloutClient, relax_gc, served_vocab_size
+from areal_mcore.rollout.client import ClientConfig, RolloutClient, relax_gc
 from areal_mcore.rollout.controller import RolloutBatch, RolloutController
 from areal_mcore.rollout.protocol import RolloutError
 from areal_mcore.rollout.servers import launch_servers
@@ -70,16 +70,8 @@ class RolloutSide:
         # The training rollouts' reward errors and timeouts (evals score through their own).
         self.reward_counts, self._counted = RewardCounts(), RewardCounts()
         relax_gc()  # rank 0's event loop parses every response (see relax_gc)
-        self.client = RolloutClient(ClientConfig(addresses=self.addresses, api_key=self.api_key,
-                                                 backend=cfg.server.backend,
-                                                 max_connections=cfg.rollout.connections,
-                                                 stall_after_s=cfg.rollout.stall_after_s,
-                                                 stall_probe_s=cfg.rollout.stall_probe_s,
-                                                 slow_factor=cfg.rollout.slow_request_factor,
-                                                 min_deadline_s=cfg.rollout.min_request_deadline_s,
-                                                 max_bad_answers=cfg.rollout.max_bad_answers,
-                                                 vocab_size=served_vocab_size(cfg.server.model_path or cfg.model_path),
-                                                 return_routed_experts=cfg.server.return_routed_experts))
+        self.client = RolloutClient(ClientConfig.from_sections(cfg.rollout, cfg.server, addresses=self.addresses,
+                                                               api_key=self.api_key, model_path=cfg.model_path))
         for server, process in zip(self.client.fleet.servers, self.servers):  # none with server.addresses
             server.owner_pid = process.proc.pid
         self.loop.run(self.client.start())
