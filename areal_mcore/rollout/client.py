@@ -71,21 +71,23 @@ class ClientConfig:
 
     @classmethod
     def from_sections(cls, rollout, server, *, addresses: list[str], api_key: str | None,
-                      max_connections: int | None = None, model_path: str | None = None) -> ClientConfig:
-        """The client of ``server``'s fleet (a ``ServerConfig``: engine, routing, the served
-        model's vocabulary, from ``server.model_path`` else ``model_path``) with
-        ``rollout``'s request policy (a ``RolloutConfig``: stall detection, per-request
-        deadlines, bad answers; its connection limit unless ``max_connections``). The one
-        place a client is configured: the trainer, eval and the difficulty filter each used
-        to copy a different subset of these fields by hand, so eval's clients ran on the
-        defaults whatever the config said."""
+                      max_connections: int | None = None, model_path: str | None = None,
+                      routed_experts: bool = False) -> ClientConfig:
+        """The client of ``server``'s fleet (a ``ServerConfig``: engine, the served model's
+        vocabulary, from ``server.model_path`` else ``model_path``) with ``rollout``'s
+        request policy (a ``RolloutConfig``: stall detection, per-request deadlines, bad
+        answers; its connection limit unless ``max_connections``). ``routed_experts``: ask
+        for the MoE routing (``server.return_routed_experts``), which only training replays.
+        The one place a client is configured: the trainer, eval and the difficulty filter
+        each used to copy a different subset of these fields by hand, so eval's clients ran
+        on the defaults whatever the config said."""
         return cls(addresses=list(addresses), api_key=api_key, backend=server.backend,
                    max_connections=rollout.connections if max_connections is None else max_connections,
                    stall_after_s=rollout.stall_after_s, stall_probe_s=rollout.stall_probe_s,
                    slow_factor=rollout.slow_request_factor, min_deadline_s=rollout.min_request_deadline_s,
                    max_bad_answers=rollout.max_bad_answers,
                    vocab_size=served_vocab_size(server.model_path or model_path),
-                   return_routed_experts=server.return_routed_experts)
+                   return_routed_experts=routed_experts)
 
     def __post_init__(self):
         engine_for(self.backend)  # raises ValueError naming the engines

@@ -71,7 +71,8 @@ class RolloutSide:
         self.reward_counts, self._counted = RewardCounts(), RewardCounts()
         relax_gc()  # rank 0's event loop parses every response (see relax_gc)
         self.client = RolloutClient(ClientConfig.from_sections(cfg.rollout, cfg.server, addresses=self.addresses,
-                                                               api_key=self.api_key, model_path=cfg.model_path))
+                                                               api_key=self.api_key, model_path=cfg.model_path,
+                                                               routed_experts=cfg.server.return_routed_experts))
         for server, process in zip(self.client.fleet.servers, self.servers):  # none with server.addresses
             server.owner_pid = process.proc.pid
         self.loop.run(self.client.start())
