@@ -17,7 +17,7 @@ TORCH_LINKS ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl),/opt/wheels,h
 SYNC = $(UV) pip sync --quiet --find-links $(TORCH_LINKS) --python
 
 .PHONY: golden install lock check-latest disk-install disk-test disk-019 install-vllm install-mcore019 test-mcore019 sysdeps sglang-wheels test \
-	test-deps test-main test-fast lint run bench clean slurm-up slurm-down
+	test-deps test-main test-fast lint run run-tool bench clean slurm-up slurm-down
 
 # The vLLM venv (install-vllm, below) is on by default where there is no GPU (nvidia-smi).
 # Defined before the rule: make expands a rule's prerequisites as it reads the line.
@@ -199,6 +199,10 @@ bench: install
 
 run: install
 	PY=$(PY) scripts/quickstart.sh
+
+# The tiny tool-use run: a multi-turn episode that calls a calculator (docs/rollout.md).
+run-tool: install
+	PY=$(PY) TASK=tool scripts/quickstart.sh
 
 # Records tests/golden/ (tests/_golden.py), the seeded tiny runs' per-step numbers: after a
 # deliberate numeric change, in a commit that says why, or on a new kind of machine.

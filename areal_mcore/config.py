@@ -37,8 +37,7 @@ from areal_mcore.launcher.allocation import parse_allocation
 from areal_mcore.launcher.config import LaunchConfig
 from areal_mcore.plan.config import PlanConfig
 from areal_mcore.reward.pool import RewardPoolConfig
-from areal_mcore.rollout.config import ServerConfig
-from areal_mcore.rollout.controller import RolloutConfig
+from areal_mcore.rollout.config import RolloutConfig, ServerConfig
 from areal_mcore.trainer.config import SFTConfig, TrainerConfig
 from areal_mcore.weight_sync.config import WeightSyncConfig
 

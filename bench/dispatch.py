@@ -1,7 +1,7 @@
 """Rollout dispatch on CPU/gloo: per-replica packed tensors vs the pickled whole-batch broadcast.
 
 In one run, for DP 2 and 4 (one gloo rank per replica): rank 0 builds a seeded batch of
-``rollout.controller.Sample``s (Python lists, as the client returns them), then
+``rollout.trajectory.Sample``s (Python lists, as the client returns them), then
 
 * baseline: ``broadcast_object_list`` of the whole batch to every rank (what PPORun did
   before #16); each rank then takes its groups;
@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from areal_mcore.net import free_port
-from areal_mcore.rollout.controller import Sample
+from areal_mcore.rollout.trajectory import Sample
 from areal_mcore.trainer.dispatch import Dispatcher, SamplePacker, split_groups
 from areal_mcore.trainer.dispatch_projection import (
     BatchShape,

@@ -163,7 +163,7 @@ def build_actor(cfg, hf_config, **actor_overrides):
 
 def random_samples(n: int, vocab: int, *, prompt: int, response: int, seed: int = 0) -> list:
     """``n`` rollout samples in groups of 4, rewards 0/1 within each group."""
-    from areal_mcore.rollout.controller import Sample
+    from areal_mcore.rollout.trajectory import Sample
 
     rng = np.random.default_rng(seed)
     return [Sample(group=i // 4, prompt_ids=rng.integers(0, vocab, prompt).tolist(),

@@ -1,4 +1,4 @@
-"""A simulated fleet of K SGLang servers driven by the real RolloutClient and RolloutController.
+"""A simulated fleet of K SGLang servers driven by the real RolloutClient and RolloutExecutor.
 
 Each server is an aiohttp app speaking the SGLang subset the client uses (``/generate``
 with ``meta_info`` as SGLang 0.5.23 answers, ``/server_info``, ``/abort_request``, pause
@@ -8,7 +8,7 @@ times faster), admission by KV availability up to ``max_running`` and retraction
 newest running request when the pool runs out (SGLang's ``retract_decode``), the response
 length drawn from the boba distribution by the request's ``sampling_seed``. All servers run
 on one event loop over loopback, in a child process (``ProcessFleet``; ``SimFleet`` runs them
-in a thread, for tests); the client and controller run in the main thread, whose CPU time
+in a thread, for tests); the client and executor run in the main thread, whose CPU time
 is the client's.
 
 One boba-shaped async step: 512 groups x 16 samples, lengths and KV pool divided by
@@ -41,7 +41,10 @@ from aiohttp import web
 from areal_mcore.data.prompts import Prompt
 from areal_mcore.plan.lengths import boba_lengths
 from areal_mcore.rollout.client import ClientConfig, RolloutClient, relax_gc
-from areal_mcore.rollout.controller import RolloutConfig, RolloutController
+from areal_mcore.rollout.config import RolloutConfig
+from areal_mcore.rollout.episodes import EpisodeEnv
+from areal_mcore.rollout.episodes.single_turn import SingleTurn
+from areal_mcore.rollout.executor import RolloutExecutor
 from areal_mcore.rollout.protocol import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "rollout_fleet.json"
@@ -366,12 +369,13 @@ async def _drive(case: Case, fleet: SimFleet, model: EngineModel) -> dict:
     connections = case.client_cap or rollout.connections
     client = RolloutClient(ClientConfig(addresses=fleet.addresses, max_connections=connections, backend="sglang"))
     async with client:
-        ctrl = RolloutController(rollout, client, reward, lambda ids: "")
-        ctrl.start(prompts, case.batch_size)
+        episode = SingleTurn(rollout, EpisodeEnv(score=reward, decode=lambda ids: ""))
+        ctrl = RolloutExecutor(rollout, client, episode, batch_size=case.batch_size, sync=False)
+        ctrl.submit(prompts)
         areas, tokens = [fleet.area()], []
         cpu0 = time.thread_time()
         for step in range(case.steps):
-            batch = await ctrl.prepare_batch(case.batch_size)
+            batch = await ctrl.wait(case.batch_size)
             ctrl.set_version(step + 1)
             areas.append(fleet.area())
             tokens.append(sum(len(s.output_ids) for s in batch.samples))

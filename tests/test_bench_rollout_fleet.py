@@ -10,7 +10,10 @@ import pytest
 from areal_mcore.config import load_config
 from areal_mcore.data.prompts import Prompt
 from areal_mcore.rollout.client import ClientConfig, RolloutClient
-from areal_mcore.rollout.controller import RolloutConfig, RolloutController
+from areal_mcore.rollout.config import RolloutConfig
+from areal_mcore.rollout.episodes import EpisodeEnv
+from areal_mcore.rollout.episodes.single_turn import SingleTurn
+from areal_mcore.rollout.executor import RolloutExecutor
 from bench.rollout_fleet import EngineModel, SimFleet
 
 
@@ -28,9 +31,9 @@ def test_requests_beyond_the_old_1024_connection_cap_are_in_flight_at_once():
         async def run() -> int:
             client = RolloutClient(ClientConfig(addresses=fleet.addresses, max_connections=rollout.connections))
             async with client:
-                ctrl = RolloutController(rollout, client, _reward, lambda ids: "")
-                prompts = (Prompt(input_ids=[1, 2, 3], solutions=("1",), source=f"p{i}") for i in itertools.count())
-                ctrl.start(prompts, batch_size=72)
+                episode = SingleTurn(rollout, EpisodeEnv(score=_reward, decode=lambda ids: ""))
+                ctrl = RolloutExecutor(rollout, client, episode, batch_size=72, sync=False)
+                ctrl.submit(Prompt(input_ids=[1, 2, 3], solutions=("1",), source=f"p{i}") for i in itertools.count())
                 deadline = time.monotonic() + 60
                 seen = 0
                 while seen < rollout.connections and time.monotonic() < deadline:

@@ -119,6 +119,20 @@ def test_min_new_tokens_with_tokenizer_free_servers_is_refused_with_the_reason()
     assert cfg.rollout.sampling().min_new_tokens == 2
 
 
+@pytest.mark.parametrize("overrides, why", [
+    (["rollout.episode=areal_mcore.rollout.episodes.tool_use:Nope"],
+     r"rollout\.episode='areal_mcore.rollout.episodes.tool_use:Nope' names no factory"),
+    (["rollout.episode=no_such_module:Episode"], r"rollout\.episode='no_such_module:Episode' cannot be imported"),
+    (["rollout.episode=areal_mcore.rollout.episodes.tool_use:ToolCalls", "rollout.episode_args.max_turn=2"],
+     r"rollout\.episode_args=\{'max_turn': 2\} does not fit .*ToolCalls: got an unexpected keyword argument"),
+    (["rollout.episode=areal_mcore.rollout.episodes.tool_use:ToolCalls", "rollout.episode_args.max_turns=0"],
+     r"rollout\.episode_args=\{'max_turns': 0\} is refused by .*ToolCalls: max_turns=0 must be at least 1"),
+])
+def test_an_episode_that_cannot_be_built_is_refused_at_load_naming_the_key(overrides, why):
+    with pytest.raises(ConfigError, match=why):
+        load_config(TINY, overrides)
+
+
 def test_pause_mode_takes_sglangs_three_modes_only():
     assert load_config(TINY, ["weight_sync.pause_mode=retract"]).weight_sync.pause_mode == "retract"
     with pytest.raises(ConfigError, match=r"weight_sync.pause_mode='inplace' is not allowed; choose one of \['abort', 'retract', 'in_place'\]"):

@@ -1,4 +1,4 @@
-"""DAPO's options (arXiv 2503.14476): dynamic sampling in the rollout controller (sync and
+"""DAPO's options (arXiv 2503.14476): dynamic sampling in the rollout executor (sync and
 async, against a fake client), the soft overlong penalty and overlong filtering in the
 training batch, their config checks; and a tiny sync and async PPO run with dynamic
 sampling, checked from the rollout dump."""
@@ -20,7 +20,11 @@ from areal_mcore.config import load_config
 from areal_mcore.data.prompts import Prompt
 from areal_mcore.packing import unpack
 from areal_mcore.rollout.client import Completion
-from areal_mcore.rollout.controller import RolloutConfig, RolloutController, Sample, is_mixed
+from areal_mcore.rollout.config import RolloutConfig
+from areal_mcore.rollout.episodes import EpisodeEnv
+from areal_mcore.rollout.episodes.single_turn import SingleTurn
+from areal_mcore.rollout.executor import RolloutExecutor, sample
+from areal_mcore.rollout.trajectory import Sample, is_mixed
 from areal_mcore.trainer.batch import to_train_batch
 
 REPO = Path(__file__).parents[1]
@@ -45,9 +49,25 @@ async def _reward(items):
     return out
 
 
-def _controller(**cfg):
-    cfg = RolloutConfig(max_new_tokens=8, n_samples=4, dynamic_sampling=True, **cfg)
-    return RolloutController(cfg, _FakeClient(), _reward, decode=lambda ids: f"{ids[0]},{ids[1]}")
+def _cfg(**cfg):
+    return RolloutConfig(max_new_tokens=8, n_samples=4, dynamic_sampling=True, **cfg)
+
+
+def _episode(cfg):
+    return SingleTurn(cfg, EpisodeEnv(score=_reward, decode=lambda ids: f"{ids[0]},{ids[1]}"))
+
+
+def _executor(bs, sync=True, **cfg):
+    cfg = _cfg(**cfg)
+    return RolloutExecutor(cfg, _FakeClient(), _episode(cfg), batch_size=bs, sync=sync)
+
+
+async def _one_batch(ex, prompts, bs):
+    ex.submit(prompts)
+    try:
+        return await asyncio.wait_for(ex.wait(bs), 10)  # a miscount stalls admission
+    finally:
+        await ex.stop()
 
 
 def _prompts(kinds):
@@ -62,63 +82,59 @@ def test_is_mixed_true_only_when_raw_rewards_differ():
     assert not is_mixed(group(0.0, 0.0, 0.0)) and not is_mixed(group(1.0, 1.0)) and not is_mixed(group(1.0))
 
 
-def test_sync_dynamic_sampling_samples_rounds_until_the_batch_holds_only_mixed_groups():
-    # Round 1: one mixed group of 3; round 2 (more()): two more, one of them surplus.
-    rounds = iter([_prompts([MIXED, MIXED, ALL_WRONG])])
-    ctrl = _controller()
-    batch = asyncio.run(ctrl.rollout_batch(_prompts([ALL_WRONG, MIXED, ALL_RIGHT]), more=lambda: next(rounds)))
+def test_sync_dynamic_sampling_replaces_each_rejected_group_until_the_batch_holds_only_mixed_ones():
+    # Admitted while the batch is waited for, never more than it can use: groups 0-2, then
+    # one new group for each rejected one (0 and 2), so nothing is left in flight and the
+    # groups judged do not depend on which lands first.
+    prompts = iter(_prompts([ALL_WRONG, MIXED, ALL_RIGHT, MIXED, MIXED, ALL_WRONG]))
+    ex = _executor(3)
+    batch = asyncio.run(_one_batch(ex, prompts, 3))
     groups = {}
     for s in batch.samples:
         groups.setdefault(s.group, []).append(s.reward)
-    assert list(groups) == [1, 3, 4]  # kept in sampling order; group 5 (all wrong) dropped
+    assert list(groups) == [1, 3, 4]  # in submission order
     assert all(0.0 < sum(r) < len(r) for r in groups.values())
+    assert next(prompts).input_ids[0] == ALL_WRONG  # the sixth prompt was never drawn
     st = batch.stats
-    assert st["rollout/dynamic_kept_ratio"] == 3 / 6 and st["rollout/dynamic_rounds"] == 2
+    assert st["rollout/dynamic_kept_ratio"] == 3 / 5 and st["rollout/dynamic_rounds"] == 5 / 3
     assert st["rollout/dynamic_groups"] == 3 and st["rollout/n_samples"] == 12
     # Only trained groups count as consumed/accepted; the state restores exactly.
-    assert ctrl.consumed == ctrl.accepted == 3 and ctrl.dropped_uniform == 3
-    state = ctrl.state_dict()
-    assert state == {"version": 0, "consumed": 3, "next_group": 6, "dropped_stale": 0, "dropped_uniform": 3}
-    again = _controller()
+    a = ex.admission
+    assert a.consumed == a.accepted == 3 and a.dropped_uniform == 2 and a.running == a.ready == 0
+    state = ex.state_dict()
+    assert state == {"version": 0, "consumed": 3, "next_group": 5, "dropped_stale": 0, "dropped_uniform": 2}
+    again = _executor(3)
     again.load_state_dict(state)
     assert again.state_dict() == state
 
 
 def test_sync_dynamic_sampling_bound_cuts_the_batch_short_with_a_warning():
-    ctrl = _controller(dynamic_sampling_max_rounds=2)
+    ex = _executor(2, dynamic_sampling_max_rounds=2)
     with pytest.warns(RuntimeWarning, match=r"only 1 of 2 groups.*dynamic_sampling_max_rounds=2"):
-        batch = asyncio.run(ctrl.rollout_batch(_prompts([ALL_WRONG, ALL_RIGHT]),
-                                               more=lambda: _prompts([MIXED, ALL_RIGHT])))
+        batch = asyncio.run(_one_batch(ex, _prompts([ALL_WRONG, ALL_RIGHT, MIXED, ALL_RIGHT, MIXED]), 2))
     assert {s.group for s in batch.samples} == {2} and batch.stats["rollout/dynamic_rounds"] == 2
-    assert batch.stats["rollout/dynamic_kept_ratio"] == 1 / 4
+    assert batch.stats["rollout/dynamic_kept_ratio"] == 1 / 4 and ex.admission.next_group == 4
 
 
-def test_the_kept_ratio_counts_surplus_mixed_groups_as_passing_the_filter():
-    """It read 0.5 with 2 of 16 groups uniform: the mixed groups past the batch, discarded
-    for its size, counted as filtered out. Here 4 of 6 judged groups are mixed, 3 train."""
-    batch = asyncio.run(_controller().rollout_batch(_prompts([ALL_WRONG, MIXED, ALL_RIGHT]),
-                                                    more=lambda: _prompts([MIXED, MIXED, MIXED])))
-    assert batch.stats["rollout/dynamic_groups"] == 3 and batch.stats["rollout/dynamic_kept_ratio"] == 4 / 6
-
-
-def test_sync_without_more_or_option_keeps_every_group():
-    # Evaluation calls rollout_batch without more(): never filtered.
-    batch = asyncio.run(_controller().rollout_batch(_prompts([ALL_WRONG, ALL_RIGHT])))
+def test_sample_for_evaluation_keeps_every_group():
+    cfg = _cfg()
+    batch = asyncio.run(sample(cfg, _FakeClient(), _episode(cfg), _prompts([ALL_WRONG, ALL_RIGHT])))
     assert len(batch.samples) == 8 and "rollout/dynamic_kept_ratio" not in batch.stats
 
 
 def test_async_dynamic_sampling_dropped_groups_free_capacity_and_never_count_as_accepted():
     bs, ofp = 2, 1
-    ctrl = _controller(max_head_offpolicyness=ofp, max_concurrent_rollouts=64)
+    ctrl = _executor(bs, sync=False, max_head_offpolicyness=ofp, max_concurrent_rollouts=64)
+    a = ctrl.admission
     kinds = [ALL_WRONG, MIXED, ALL_RIGHT] * 100  # one mixed group in three
 
     async def run():
-        ctrl.start(iter(_prompts(kinds)), bs)
+        ctrl.submit(iter(_prompts(kinds)))
         out = []
         for step in range(3):
-            out.append(await asyncio.wait_for(ctrl.prepare_batch(bs), 10))  # a miscount stalls admission
+            out.append(await asyncio.wait_for(ctrl.wait(bs), 10))  # a miscount stalls admission
             # The staleness bound counts only trained-or-ready groups.
-            assert ctrl.accepted + ctrl.running <= (ofp + ctrl.version + 1) * bs
+            assert a.accepted + a.running <= (ofp + a.version + 1) * bs
             ctrl.set_version(step + 1)
         await ctrl.stop()
         return out
@@ -130,22 +146,15 @@ def test_async_dynamic_sampling_dropped_groups_free_capacity_and_never_count_as_
             by_group.setdefault(s.group, []).append(s.reward)
         assert len(by_group) == bs and all(0 < sum(r) < len(r) for r in by_group.values())
         assert 0 < b.stats["rollout/dynamic_kept_ratio"] < 1
-    assert ctrl.consumed == 3 * bs and ctrl.dropped_uniform > 0
-    assert ctrl.accepted == ctrl.consumed + len(ctrl._ready)  # dropped groups never in accepted
+    assert a.consumed == 3 * bs and a.dropped_uniform > 0
+    assert a.accepted == a.consumed + a.ready == a.consumed + len(ctrl._ready)  # dropped groups never in accepted
 
 
 def test_async_dynamic_sampling_bound_hands_out_a_short_batch_with_a_warning():
     # Staleness 0: 4 groups in flight at a time, so the first 4 land before more start.
-    ctrl = _controller(dynamic_sampling_max_rounds=1, max_head_offpolicyness=0)
-
-    async def run():
-        ctrl.start(iter(_prompts([ALL_WRONG, MIXED, ALL_RIGHT, ALL_RIGHT] * 10)), 4)
-        batch = await asyncio.wait_for(ctrl.prepare_batch(4), 10)
-        await ctrl.stop()
-        return batch
-
+    ctrl = _executor(4, sync=False, dynamic_sampling_max_rounds=1, max_head_offpolicyness=0)
     with pytest.warns(RuntimeWarning, match="only 1 of 4 groups"):
-        batch = asyncio.run(run())
+        batch = asyncio.run(_one_batch(ctrl, iter(_prompts([ALL_WRONG, MIXED, ALL_RIGHT, ALL_RIGHT] * 10)), 4))
     assert {s.group for s in batch.samples} == {1} and batch.stats["rollout/dynamic_rounds"] == 1.0
 
 

@@ -12,7 +12,7 @@ from test_ppo_e2e import _overrides
 
 from areal_mcore.config import load_config
 from areal_mcore.data.tiny_assets import TinyAssetsConfig, build_tiny_assets
-from areal_mcore.rollout.controller import Sample
+from areal_mcore.rollout.trajectory import Sample
 from areal_mcore.trainer.dispatch import (
     Dispatcher,
     RolloutShard,
@@ -61,7 +61,7 @@ def test_arrays_packed_on_arrival_give_the_same_shard_and_die_with_their_samples
 
     samples = _samples(3, 4)
     packer = SamplePacker()
-    for i in range(0, len(samples), 4):  # as RolloutController.on_group sees them
+    for i in range(0, len(samples), 4):  # as RolloutExecutor.on_group sees them
         packer(samples[i:i + 4])
     assert _as_lists(RolloutShard.from_samples(samples, packer)) == _as_lists(RolloutShard.from_samples(samples))
     assert RolloutShard.from_samples(samples + _samples(1, 4, seed=5), packer).num_samples == 16  # lists fallback
@@ -161,8 +161,7 @@ def _pickled_rollout(self, step):
     box = [None, None]
     if self.rank == 0:
         side = self.rollout_side
-        batch = [side.prompts[i] for i in side.sampler.next_batch()]
-        out = self.loop.run(side.controller.rollout_batch(batch))
+        out = self.loop.run(side.executor.wait(self.cfg.trainer.batch_size))
         box = [out.samples, out.stats]
     dist.broadcast_object_list(box, src=0, group=dist.group.WORLD)
     samples, stats = box

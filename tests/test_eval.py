@@ -17,8 +17,8 @@ from areal_mcore.data.jsonl import LETTERS, DatasetConfig, DatasetError, Problem
 from areal_mcore.eval.choices import shuffle_choices
 from areal_mcore.eval.config import EvalConfig, eval_job, eval_server_config, sampling
 from areal_mcore.eval.passk import default_ks, pass_at_k, pass_at_ks
-from areal_mcore.rollout.config import ServerConfig
-from areal_mcore.rollout.controller import RolloutConfig
+from areal_mcore.rollout.config import RolloutConfig, ServerConfig
+from areal_mcore.rollout.episodes import EpisodeEnv
 from areal_mcore.rollout.servers import server_command
 
 # ---------------------------------------------------------------------------- pass@k
@@ -200,7 +200,7 @@ def test_correct_samples_are_counted_per_problem(monkeypatch):
     policy = RolloutConfig(max_new_tokens=8, stall_after_s=123.0, min_request_deadline_s=45.0, max_bad_answers=7)
     job = eval_job(InferenceConfig(eval=EvalConfig(model_kind="rl", n_samples=4, ks=[2, 4], data=["x.jsonl"]),
                                    server=ServerConfig(model_path="m"), rollout=policy))
-    rows = asyncio.run(run._sample(job, ["fake:1"], reward, decode, data))
+    rows = asyncio.run(run._sample(job, ["fake:1"], EpisodeEnv(score=reward, decode=decode), data))
     (client,) = configs
     assert (client.stall_after_s, client.min_deadline_s, client.max_bad_answers) == (123.0, 45.0, 7)
     assert client.max_connections == job.eval.max_concurrent_rollouts * 4  # eval's own concurrency

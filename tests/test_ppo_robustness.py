@@ -12,7 +12,7 @@ from _actor_setup import VOCAB, tiny_actor
 from _dist import run_gloo
 
 from areal_mcore.algo.config import NormConfig, PPOConfig
-from areal_mcore.rollout.controller import Sample
+from areal_mcore.rollout.trajectory import Sample
 
 PPO = PPOConfig(ppo_n_minibatches=4, reward_bias=-0.5, reward_scaling=10.0, use_decoupled_loss=True,
                 behav_imp_weight_cap=5.0, adv_norm=NormConfig(mean_level="batch", std_level="none"))

@@ -1,12 +1,13 @@
 """boba reward correctness, and the worker pool under hostile input."""
 
+import asyncio
 import os
 import time
 
 import pytest
 
 from areal_mcore.reward.boba import boba_reward, last_boxed
-from areal_mcore.reward.pool import RewardPool, RewardPoolConfig
+from areal_mcore.reward.pool import RewardItem, RewardPool, RewardPoolConfig
 from bench.reward import hostile_completions
 
 B = "\\boxed"
@@ -172,3 +173,45 @@ def test_a_dotted_path_reward_gets_prompt_and_ids_and_its_raises_score_zero_and_
     with RewardPool(RewardPoolConfig(fn="_rewards:parity_reward", num_workers=1)) as pool:
         assert pool.score_items(items, counts) == [1.0, 0.0, 0.0]  # 4 tokens: it raised
         assert (counts.errors, counts.timeouts, pool.errors) == (1, 0, 1)
+
+
+def test_tools_that_hang_raise_print_a_megabyte_or_exhaust_memory_become_observations_without_leaks():
+    """Tool calls run in the pool's workers (reward/tool_call.py): every failure is an ``error:``
+    observation within the tool's deadline, the output is cut, the pool keeps its worker
+    count and leaves no process behind; and what a reward function prints (stdout, fd 1,
+    stderr) does not break the workers' answers."""
+    from areal_mcore.reward.tool_call import CALCULATOR, ToolCall
+
+    before = set(_children())
+    cfg = RewardPoolConfig(fn="_rewards:noisy_reward", num_workers=2, tool_timeout_s=1.0, tool_max_output_chars=100,
+                           memory_mb=1024)
+    with RewardPool(cfg) as pool:
+        calls = [ToolCall(CALCULATOR, "37 * 48"), ToolCall("_rewards:hanging_tool", ""),
+                 ToolCall("_rewards:raising_tool", "x"), ToolCall("_rewards:chatty_tool", ""),
+                 ToolCall("_rewards:greedy_tool", ""), ToolCall(CALCULATOR, "2 ** 10 - 1 / 0"),
+                 ToolCall(CALCULATOR, "__import__('os')"), ToolCall("no_such_module:tool", "")]
+        t0 = time.monotonic()
+        out = pool.run_tools(calls)
+        assert time.monotonic() - t0 < 4.0 and max(pool.latencies) <= 1.0 + 1.0
+        assert out[0] == "1776"
+        assert out[1] == "error: the tool ran past 1 s and was stopped"
+        assert out[2] == "error: RuntimeError: no tool for 'x'"
+        assert out[3].startswith("x" * 100 + "... [") and len(out[3]) < 200
+        assert out[4].startswith("error: MemoryError") or out[4].startswith("error: the tool failed")
+        assert out[5] == "error: ZeroDivisionError: division by zero"
+        assert out[6] == "error: ValueError: Call is not arithmetic"
+        assert out[7].startswith("error: ValueError: cannot be imported")
+        assert pool.errors == pool.timeouts == 0  # tool failures are observations, not reward errors
+        assert pool.score(["ab", "abc"], [["1"], ["1"]]) == [0.0, 1.0]
+
+        # Callers on one event loop (an async run's rollouts, its eval, its tools) take
+        # turns: two threads in the pool at once mixed up their workers' answers.
+        async def together():
+            items = [RewardItem(completion="x" * n, solutions=["1"]) for n in range(40)]
+            return await asyncio.gather(pool.ascore(items[:20]), pool.ascore(items[20:]),
+                                        pool.arun_tools([ToolCall(CALCULATOR, f"{n} * 3") for n in range(10)]))
+
+        first, second, tools = asyncio.run(together())
+        assert first + second == [float(n % 2) for n in range(40)] and tools == [str(3 * n) for n in range(10)]
+        assert len(set(_children()) - before) == cfg.num_workers
+    assert set(_children()) - before == set()

@@ -56,7 +56,7 @@ def test_rollout_imports_no_megatron_and_no_actor():
     import subprocess
     import sys
 
-    code = ("import sys, areal_mcore.rollout.embedded.server, areal_mcore.rollout.controller, "
+    code = ("import sys, areal_mcore.rollout.embedded.server, areal_mcore.rollout.executor, "
             "areal_mcore.rollout.servers; print(sorted(m for m in sys.modules if "
             "m.startswith(('megatron', 'areal_mcore.actor', 'areal_mcore.trainer'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

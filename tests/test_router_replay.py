@@ -351,7 +351,7 @@ def test_rollout_routing_reaches_the_batch_as_a_per_token_field_through_dispatch
     import numpy as np
 
     from areal_mcore.algo.config import PPOConfig
-    from areal_mcore.rollout.controller import Sample
+    from areal_mcore.rollout.trajectory import Sample
     from areal_mcore.trainer.batch import to_train_batch
     from areal_mcore.trainer.dispatch import RolloutShard
 

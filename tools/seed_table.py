@@ -2,8 +2,11 @@
 warm-up, then the table the README reports (held-out gain at the last step, how far each
 seed ends below its own peak, PPO wall time).
 
-``.venv/bin/python tools/seed_table.py [--backends vllm embedded] [--seeds 1 2 3]
-[--out runs/seeds] [--report] [overrides ...]``
+``.venv/bin/python tools/seed_table.py [--task boba|tool] [--backends vllm embedded]
+[--seeds 1 2 3] [--out runs/seeds] [--report] [overrides ...]``
+
+``--task tool``: the tiny tool-use task's (make run-tool, configs/tiny_tool_cpu.yaml)
+instead of make run's.
 
 A seed S sets ``seed``, ``rollout.seed`` and ``server.seed`` to S. Overrides
 (``key=value``) go to every PPO run, e.g. ``actor.optimizer.lr=3e-4`` for a sweep
@@ -27,8 +30,8 @@ from areal_mcore.run_dir import RunDir, read_jsonl
 from areal_mcore.trainer.stats import trajectory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = "configs/tiny_cpu.yaml"
-TINY = "runs/tiny-cpu"
+TASKS = {"boba": ("configs/tiny_cpu.yaml", "tiny-cpu"), "tool": ("configs/tiny_tool_cpu.yaml", "tiny-tool")}
+CONFIG, EXPERIMENT = TASKS["boba"]
 
 
 def _cli(*args: str) -> None:
@@ -37,9 +40,10 @@ def _cli(*args: str) -> None:
 
 def warm_up() -> None:
     """make run's assets and SFT model (scripts/quickstart.sh's first two steps)."""
-    if not os.path.isfile(os.path.join(ROOT, TINY, "assets/model/config.json")):
-        subprocess.run([sys.executable, "-m", "areal_mcore.data.tiny_assets", "--out", f"{TINY}/assets"],
-                       cwd=ROOT, check=True)
+    task = next(t for t, (config, _) in TASKS.items() if config == CONFIG)
+    if not os.path.isfile(os.path.join(ROOT, "runs", EXPERIMENT, "assets/model/config.json")):
+        subprocess.run([sys.executable, "-m", "areal_mcore.data.tiny_assets", "--task", task,
+                        "--out", f"runs/{EXPERIMENT}/assets"], cwd=ROOT, check=True)
     _cli("sft", "--config", CONFIG, "--if-changed")
 
 
@@ -63,7 +67,7 @@ def _log_dir(out: str, backend: str, seed: int) -> Path:
 
 
 def _run_dir(out: str, backend: str, seed: int) -> Path:
-    return _log_dir(out, backend, seed) / "tiny-cpu"
+    return _log_dir(out, backend, seed) / EXPERIMENT
 
 
 def summary(out: str, backend: str, seeds: list[int]) -> dict | None:
@@ -98,12 +102,15 @@ def markdown(tables: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", choices=sorted(TASKS), default="boba")
     p.add_argument("--backends", nargs="+", default=["vllm", "embedded"], choices=["vllm", "embedded"])
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--out", default="runs/seeds")
     p.add_argument("--report", action="store_true", help="only read the runs already under --out")
     p.add_argument("--trajectory", action="store_true", help="also print each run's trajectory")
     args, overrides = p.parse_known_args()
+    global CONFIG, EXPERIMENT
+    CONFIG, EXPERIMENT = TASKS[args.task]
     args.out = os.path.abspath(args.out)
     if not args.report:
         warm_up()

@@ -26,7 +26,7 @@ from areal_mcore.reward.pool import RewardPoolConfig
 from areal_mcore.rollout.config import ServerConfig
 
 if TYPE_CHECKING:  # an annotation only: this leaf imports nothing of the rollout loop
-    from areal_mcore.rollout.controller import RolloutConfig
+    from areal_mcore.rollout.config import RolloutConfig
 
 MODEL_KINDS = ("rl", "sft", "base")
 # (temperature, top_p): boba samples SFT and base models at 0.6/0.95, RL models at 1.0/1.0.

@@ -77,6 +77,7 @@ def _sample(job: FilterJob, tokenizer, todo, *, total: int, initial: int) -> dic
 
     from areal_mcore.reward.pool import RewardPool
     from areal_mcore.rollout.auth import configured_key, launch_key
+    from areal_mcore.rollout.episodes import EpisodeEnv
     from areal_mcore.rollout.servers import launch_servers
 
     servers, addresses, key = [], list(job.server.addresses), configured_key(job.server)
@@ -89,17 +90,20 @@ def _sample(job: FilterJob, tokenizer, todo, *, total: int, initial: int) -> dic
                                      api_key=key)
             addresses = [s.address for s in servers]
         with RewardPool(job.reward) as pool:
-            return asyncio.run(_sample_chunks(job, addresses, pool.ascore,
-                                              partial(tokenizer.decode, skip_special_tokens=True), todo, bar, key))
+            env = EpisodeEnv(score=pool.ascore, decode=partial(tokenizer.decode, skip_special_tokens=True),
+                             encode=partial(tokenizer.encode, add_special_tokens=False), tools=pool.arun_tools)
+            return asyncio.run(_sample_chunks(job, addresses, env, todo, bar, key))
     finally:
         bar.close()
         for s in servers:
             s.stop()
 
 
-async def _sample_chunks(job: FilterJob, addresses, reward_fn, decode, todo, bar, api_key: str | None) -> dict:
+async def _sample_chunks(job: FilterJob, addresses, env, todo, bar, api_key: str | None) -> dict:
     from areal_mcore.rollout.client import ClientConfig, RolloutClient
-    from areal_mcore.rollout.controller import RolloutConfig, RolloutController
+    from areal_mcore.rollout.config import RolloutConfig
+    from areal_mcore.rollout.episodes import make_episode
+    from areal_mcore.rollout.executor import sample
 
     cfg, path = job.filter, _samples_path(job.filter.out)
     temperature, top_p = sampling(cfg)
@@ -115,13 +119,14 @@ async def _sample_chunks(job: FilterJob, addresses, reward_fn, decode, todo, bar
             # Seeded by the chunk's first line: the same run draws the same samples.
             rollout = RolloutConfig(max_new_tokens=cfg.max_new_tokens, n_samples=cfg.k, temperature=temperature,
                                     top_p=top_p, seed=cfg.seed * 1_000_003 + _line(chunk[0].source),
-                                    max_concurrent_rollouts=cfg.chunk)
-            batch = await RolloutController(rollout, client, reward_fn, decode).rollout_batch(chunk)
+                                    max_concurrent_rollouts=cfg.chunk, episode=policy.episode,
+                                    episode_args=policy.episode_args)
+            batch = await sample(rollout, client, make_episode(rollout, env), chunk)
             with open(path, "a") as f:
                 for i, p in enumerate(chunk):
                     group = batch.samples[i * cfg.k:(i + 1) * cfg.k]
                     rewards = [s.reward for s in group]
-                    f.write(json.dumps({"line": _line(p.source), "completions": [decode(s.output_ids)
+                    f.write(json.dumps({"line": _line(p.source), "completions": [env.decode(s.output_ids)
                                                                                  for s in group],
                                         "rewards": rewards}) + "\n")
                     out[_line(p.source)] = rewards

@@ -1,7 +1,7 @@
 """``evaluate(job)``: n samples per problem from rollout servers, scored by the boba reward,
 reported as pass@1 (averaged over samples) and unbiased pass@k per dataset.
 
-Every dataset gets its own rollout controller seeded by ``eval.seed``, so a dataset's
+Every dataset gets its own rollout executor seeded by ``eval.seed``, so a dataset's
 samples depend on the seed and its problems only, not on which other datasets ran.
 """
 
@@ -73,6 +73,7 @@ def evaluate(job: EvalJob) -> dict:
     from transformers import AutoTokenizer
 
     from areal_mcore.reward.pool import RewardPool
+    from areal_mcore.rollout.episodes import EpisodeEnv
 
     cfg = job.eval
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_path)
@@ -85,8 +86,9 @@ def evaluate(job: EvalJob) -> dict:
     try:
         servers, addresses, server_info, key = _servers(job)
         with RewardPool(job.reward) as pool:
-            decode = partial(tokenizer.decode, skip_special_tokens=True)
-            rows = asyncio.run(_sample(job, addresses, pool.ascore, decode, data, api_key=key))
+            env = EpisodeEnv(score=pool.ascore, decode=partial(tokenizer.decode, skip_special_tokens=True),
+                             encode=partial(tokenizer.encode, add_special_tokens=False), tools=pool.arun_tools)
+            rows = asyncio.run(_sample(job, addresses, env, data, api_key=key))
     finally:
         for s in servers:
             s.stop()
@@ -128,17 +130,21 @@ def _servers(job: EvalJob) -> tuple[list, list[str], dict, str | None]:
     return servers, [s.address for s in servers], {"backend": server.backend, "extra_args": server.extra_args}, key
 
 
-async def _sample(job: EvalJob, addresses: list[str], reward_fn, decode, data, *,
+async def _sample(job: EvalJob, addresses: list[str], env, data, *,
                   api_key: str | None = None) -> list[dict]:
     from tqdm import tqdm
 
     from areal_mcore.rollout.client import ClientConfig, RolloutClient
-    from areal_mcore.rollout.controller import RolloutConfig, RolloutController
+    from areal_mcore.rollout.config import RolloutConfig
+    from areal_mcore.rollout.episodes import make_episode
+    from areal_mcore.rollout.executor import sample
 
     cfg = job.eval
     temperature, top_p = sampling(cfg)
     rollout = RolloutConfig(max_new_tokens=cfg.max_new_tokens, n_samples=cfg.n_samples, temperature=temperature,
-                            top_p=top_p, seed=cfg.seed, max_concurrent_rollouts=cfg.max_concurrent_rollouts)
+                            top_p=top_p, seed=cfg.seed, max_concurrent_rollouts=cfg.max_concurrent_rollouts,
+                            **({"episode": job.rollout.episode, "episode_args": job.rollout.episode_args}
+                               if job.rollout else {}))  # the run's task
     ks = cfg.ks or default_ks(cfg.n_samples)
     rows = []
     # The run's request policy where the config has a rollout section, else the defaults.
@@ -148,8 +154,8 @@ async def _sample(job: EvalJob, addresses: list[str], reward_fn, decode, data, *
             t0 = time.perf_counter()
             # stderr, as filter's and train's bars: the report lines stay on stdout.
             with tqdm(total=len(prompts), desc=Path(d.path).stem, unit="problem", disable=not cfg.progress) as bar:
-                batch = await RolloutController(rollout, client, reward_fn, decode).rollout_batch(
-                    prompts, on_group=lambda _: bar.update())
+                batch = await sample(rollout, client, make_episode(rollout, env), prompts,
+                                     on_group=lambda _: bar.update())
             n = cfg.n_samples
             groups = [batch.samples[i:i + n] for i in range(0, len(batch.samples), n)]
             assert len(groups) == len(prompts) and all(len({s.group for s in g}) == 1 for g in groups)

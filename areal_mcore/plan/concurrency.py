@@ -14,7 +14,7 @@ proportional to its length L, at a uniform point of it:
 ``plan.kv_headroom`` (kept for the retraction the engine does when the sum spikes above
 it: a retracted request waits and is recomputed, lost work rather than a failure).
 
-The staleness bound itself is the controller's and stays exact (``max_head_offpolicyness``);
+The staleness bound itself is the executor's admission's and stays exact (``max_head_offpolicyness``);
 the plan reports the staleness the sizing implies on average (Little's law: groups in
 flight / groups a step consumes, with the capacity rule's cap of (eta + 1) batches).
 """

@@ -12,13 +12,14 @@ config loads, so a typo fails there, naming the key, not in a worker mid-run.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import numbers
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from areal_mcore.dotted import import_dotted
 
 DEFAULT_FN = "areal_mcore.reward.boba:boba_reward_fn"
 SIGNATURE = "fn(prompt, completion, prompt_ids, completion_ids, solutions, **fields) -> float"
@@ -32,21 +33,9 @@ def load_reward_fn(path: str) -> Callable[..., float]:
         ValueError: the path is malformed, the module does not import, the name is missing
             or not a plain function of ``SIGNATURE``; the message says which.
     """
-    module_name, sep, name = path.partition(":")
-    if not sep or not module_name or not name:
-        raise ValueError(f"must look like 'package.module:function' (the default is {DEFAULT_FN!r})")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's to see
-        raise ValueError(f"cannot be imported: {type(e).__name__}: {e} (is its folder on "
-                         "PYTHONPATH?)") from None
-    fn = module
-    for part in name.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise ValueError(f"names no function: module {module_name!r} has no {name!r}")
+    fn = import_dotted(path, DEFAULT_FN, "function")
     if not callable(fn):
-        raise ValueError(f"is not callable: {module_name}.{name} is a {type(fn).__name__}")
+        raise ValueError(f"is not callable: {path} is a {type(fn).__name__}")
     if inspect.iscoroutinefunction(fn):
         raise ValueError("is an async function; reward workers call a plain function returning a float")
     try:
@@ -56,7 +45,8 @@ def load_reward_fn(path: str) -> Callable[..., float]:
     try:
         sig.bind(*_ARGS, source="file:1")
     except TypeError as e:
-        raise ValueError(f"has the wrong signature {name}{sig} ({e}); it must be {SIGNATURE}") from None
+        raise ValueError(f"has the wrong signature {path.partition(':')[2]}{sig} ({e}); "
+                         f"it must be {SIGNATURE}") from None
     return fn
 
 

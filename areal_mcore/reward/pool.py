@@ -18,12 +18,15 @@ import resource
 import selectors
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from areal_mcore.checks import FieldError, check_positive
 from areal_mcore.procs import child_env, die_with_parent
 from areal_mcore.reward.fn import DEFAULT_FN, import_root, load_reward_fn
+from areal_mcore.reward.tool_call import ToolCall
 
 
 @dataclass(kw_only=True)
@@ -36,9 +39,14 @@ class RewardPoolConfig:
     memory_mb: int = 2048
     cpu_s: int = 600
     max_items_per_worker: int = 2000
+    # Tool calls of multi-turn episodes (reward/tool_call.py) run in the same workers: each has
+    # this wall-clock limit, and its observation is cut to this many characters.
+    tool_timeout_s: float = 5.0
+    tool_max_output_chars: int = 2000
 
     def __post_init__(self):
-        for key in ("num_workers", "timeout_s", "memory_mb", "cpu_s", "max_items_per_worker"):
+        for key in ("num_workers", "timeout_s", "memory_mb", "cpu_s", "max_items_per_worker", "tool_timeout_s",
+                    "tool_max_output_chars"):
             check_positive(key, getattr(self, key))
         try:
             load_reward_fn(self.fn)
@@ -84,7 +92,8 @@ class _Worker:
         if root is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "areal_mcore.reward.worker", cfg.fn, str(inner)], env=env,
+            [sys.executable, "-m", "areal_mcore.reward.worker", cfg.fn, str(inner), str(cfg.tool_max_output_chars)],
+            env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             preexec_fn=restrict, text=True, encoding="utf-8", errors="surrogatepass", bufsize=1,
         )
@@ -92,9 +101,12 @@ class _Worker:
         self.busy: tuple[int, float] | None = None  # (item index, deadline)
         self.ready = False
 
-    def send(self, index: int, item: RewardItem, deadline: float) -> None:
-        line = {"id": index, "prompt": item.prompt, "completion": item.completion, "prompt_ids": item.prompt_ids,
-                "completion_ids": item.completion_ids, "solutions": list(item.solutions), "fields": item.fields}
+    def send(self, index: int, item: RewardItem | ToolCall, deadline: float) -> None:
+        if isinstance(item, ToolCall):
+            line = {"id": index, "tool": item.tool, "args": item.args}
+        else:
+            line = {"id": index, "prompt": item.prompt, "completion": item.completion, "prompt_ids": item.prompt_ids,
+                    "completion_ids": item.completion_ids, "solutions": list(item.solutions), "fields": item.fields}
         self.proc.stdin.write(json.dumps(line) + "\n")
         self.proc.stdin.flush()
         self.busy = (index, deadline)
@@ -111,8 +123,9 @@ class _Worker:
 
 
 class RewardPool:
-    """``score_items(items) -> rewards`` over killable worker processes; ``timeouts`` and
-    ``errors`` count every item scored 0.0 for overrunning or raising."""
+    """``score_items(items) -> rewards`` and ``run_tools(calls) -> observations`` over
+    killable worker processes; ``timeouts`` and ``errors`` count every item scored 0.0 for
+    overrunning or raising (tool calls answer with an error observation instead)."""
 
     def __init__(self, cfg: RewardPoolConfig | None = None):
         self.cfg = cfg or RewardPoolConfig()
@@ -122,6 +135,8 @@ class RewardPool:
         self.latencies: list[float] = []
         self._failed_starts = 0
         self._pending = 0
+        self._lock = threading.Lock()
+        self._turns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its lock
         self._workers = [_Worker(self.cfg) for _ in range(self.cfg.num_workers)]
 
     def score(self, completions: list[str], solutions_list: list[list[str]]) -> list[float]:
@@ -136,35 +151,59 @@ class RewardPool:
         ``counts`` also gets this call's errors and timeouts."""
         errors, timeouts = self.errors, self.timeouts
         try:
-            return self._score(items)
+            with self._lock:
+                return [float(r) for r in self._run(items, self.cfg.timeout_s)]
         finally:
             if counts is not None:
                 counts.errors += self.errors - errors
                 counts.timeouts += self.timeouts - timeouts
 
-    def _score(self, items: list[RewardItem]) -> list[float]:
-        rewards: list[float | None] = [None] * len(items)
+    def run_tools(self, calls: list[ToolCall]) -> list[str]:
+        """Each call's observation in input order (``reward/tool_call.py``); every call returns
+        within ``tool_timeout_s`` (+ scheduling), as an ``error: ...`` observation when its
+        tool raised, overran or killed its worker."""
+        with self._lock:
+            return self._run(calls, self.cfg.tool_timeout_s)
+
+    async def ascore(self, items: list[RewardItem], counts: RewardCounts | None = None) -> list[float]:
+        """``score_items`` off the event loop. Calls wait their turn here: the pool serves
+        one at a time, and the training rollouts and an eval in async mode share it."""
+        async with self._turn():
+            return await asyncio.to_thread(self.score_items, items, counts)
+
+    async def arun_tools(self, calls: list[ToolCall]) -> list[str]:
+        """``run_tools`` off the event loop, in turn with ``ascore``."""
+        async with self._turn():
+            return await asyncio.to_thread(self.run_tools, calls)
+
+    def _turn(self) -> asyncio.Lock:
+        """This event loop's lock on the pool (an asyncio lock serves one loop; the
+        threading lock in ``score_items`` and ``run_tools`` guards across loops)."""
+        loop = asyncio.get_running_loop()
+        if loop not in self._turns:
+            self._turns[loop] = asyncio.Lock()
+        return self._turns[loop]
+
+    def _run(self, items: list, timeout_s: float) -> list:
+        """Each item's answer (a reward, or a tool's observation) in input order."""
+        out: list = [None] * len(items)
         todo = list(range(len(items)))[::-1]
         started: dict[int, float] = {}
         self._pending = len(items)
-        while self._pending:  # a counter: rescanning all rewards every poll is quadratic
+        while self._pending:  # a counter: rescanning all answers every poll is quadratic
             for slot, w in enumerate(self._workers):
                 if w.busy is None and w.ready and todo:
                     i = todo.pop()
                     started[i] = time.monotonic()
                     try:
-                        w.send(i, items[i], started[i] + self.cfg.timeout_s)
+                        w.send(i, items[i], started[i] + timeout_s)
                     except (BrokenPipeError, OSError):  # died while idle: replace, retry the item
                         todo.append(i)
                         self._replace(slot, crashed=True)
-            self._poll(rewards, started)
-        return [float(r) for r in rewards]
+            self._poll(items, out, started, timeout_s)
+        return out
 
-    async def ascore(self, items: list[RewardItem], counts: RewardCounts | None = None) -> list[float]:
-        """``score_items`` off the event loop (the pool serves one call at a time)."""
-        return await asyncio.to_thread(self.score_items, items, counts)
-
-    def _poll(self, rewards, started) -> None:
+    def _poll(self, items, out, started, timeout_s: float) -> None:
         sel = selectors.DefaultSelector()
         for slot, w in enumerate(self._workers):
             sel.register(w.proc.stdout, selectors.EVENT_READ, slot)
@@ -183,29 +222,41 @@ class RewardPool:
                         raise RuntimeError(
                             "reward workers exit before they are ready (3 times in a row); "
                             f"is memory_mb={self.cfg.memory_mb} too low to import math-verify?")
-                if w.busy:  # its item killed it (e.g. the memory limit): an error, scored 0
-                    self.errors += 1
-                    self._finish(rewards, started, w.busy[0], 0.0)
+                if w.busy:  # its item killed it (e.g. the memory limit): an error
+                    i = w.busy[0]
+                    self._finish(out, started, i, self._failed(items[i], f"its worker died (reward.memory_mb="
+                                                                          f"{self.cfg.memory_mb}, or a crash)"))
                 self._replace(slot, crashed=True)
             elif line.strip() == "ready":
                 w.ready = True
                 self._failed_starts = 0
             else:
-                out = json.loads(line)
-                self.errors += "error" in out
-                self._finish(rewards, started, out["id"], out["reward"])
+                answer = json.loads(line)
+                self.errors += "error" in answer
+                self._finish(out, started, answer["id"], answer["output"] if "output" in answer else answer["reward"])
                 w.busy = None
                 if w.items >= self.cfg.max_items_per_worker:
                     self._replace(slot)
         now = time.monotonic()
         for slot, w in enumerate(self._workers):
             if w.busy and now >= w.busy[1]:
-                self.timeouts += 1
-                self._finish(rewards, started, w.busy[0], 0.0)
+                i = w.busy[0]
+                if isinstance(items[i], ToolCall):
+                    self._finish(out, started, i, f"error: the tool ran past {timeout_s:g} s and was stopped")
+                else:
+                    self.timeouts += 1
+                    self._finish(out, started, i, 0.0)
                 self._replace(slot)
 
-    def _finish(self, rewards, started, index, value) -> None:
-        rewards[index] = value
+    def _failed(self, item, why: str):
+        """A dead worker's answer: a tool's observation, or a reward of 0 (an error)."""
+        if isinstance(item, ToolCall):
+            return f"error: the tool failed: {why}"
+        self.errors += 1
+        return 0.0
+
+    def _finish(self, out, started, index, value) -> None:
+        out[index] = value
         self._pending -= 1
         self.latencies.append(time.monotonic() - started[index])
 

@@ -11,7 +11,8 @@ normalisation over all response tokens of the batch on every data-parallel rank.
 before GAE, which is why the loop packs first (``pack_rollout``), scores the batch with
 the proximal and reference models, then adds the advantages (``add_advantages``).
 Logprobs follow the actor's convention: position t holds log p(token t | tokens < t),
-so the response tokens are the loss tokens and prompt positions hold 0; with
+so the response tokens the policy generated are the loss tokens (not a multi-turn
+trajectory's tool output, version -1) and prompt positions hold 0; with
 ``ppo.mask_truncated_samples`` a truncated sample's (finish_reason length) are not.
 """
 
@@ -37,11 +38,11 @@ from areal_mcore.trainer.dispatch import RolloutShard
 
 def to_train_batch(samples, ppo: PPOConfig, *, dp_group: dist.ProcessGroup | None = None,
                    pad_to_multiple_of: int = 1) -> PackedBatch:
-    """Packs ``samples`` (``rollout.controller.Sample``: prompt_ids, output_ids, logprobs,
+    """Packs ``samples`` (``rollout.trajectory.Sample``: prompt_ids, output_ids, logprobs,
     versions, reward) with fields loss_mask, behave (rollout logprobs), versions, adv and
     empty_response (1 on the last token of a sample whose response is empty).
 
-    Groups must be contiguous (as the controller returns them) for group normalisation.
+    Groups must be contiguous (as the executor returns them) for group normalisation.
     An empty response (a server may return none on abort, or when the prompt fills the
     context) is a prompt-only sequence with no loss tokens: it trains nothing, its reward
     still counts in its group's normalisation (it is one of the group's samples), and the
@@ -115,9 +116,11 @@ def _per_token(batch: PackedBatch, x_B: torch.Tensor) -> torch.Tensor:
 
 
 def _per_sequence(shard: RolloutShard) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
-    """Per-sample token ids (int64) and fields loss_mask (response tokens), behave (0 on
-    the prompt), versions (-1 on the prompt) and empty_response, on the shard's device;
-    no samples: one one-token placeholder without loss tokens."""
+    """Per-sample token ids (int64) and fields loss_mask (the response tokens the policy
+    generated), behave (0 on the prompt), versions (-1 on the prompt and on the response
+    tokens no policy generated: a multi-turn trajectory's tool output, ``Sample``) and
+    empty_response, on the shard's device; no samples: one one-token placeholder without
+    loss tokens."""
     device = shard.tokens.device
     if shard.num_samples == 0:
         zeros = {"loss_mask": torch.bool, "behave": torch.float32, "versions": torch.long,
@@ -129,11 +132,14 @@ def _per_sequence(shard: RolloutShard) -> tuple[list[torch.Tensor], dict[str, li
     starts_B = torch.cumsum(shard.prompt_lens + shard.output_lens, 0) - (shard.prompt_lens + shard.output_lens)
     rep = dict(repeats=shard.prompt_lens + shard.output_lens, output_size=T)
     pos_T = torch.arange(T, device=device) - torch.repeat_interleave(starts_B, **rep)
-    mask_T = pos_T >= torch.repeat_interleave(shard.prompt_lens, **rep)
+    response_T = pos_T >= torch.repeat_interleave(shard.prompt_lens, **rep)
     behave_T = torch.zeros(T, dtype=torch.float32, device=device)
-    behave_T[mask_T] = shard.logprobs
+    behave_T[response_T] = shard.logprobs
     versions_T = torch.full((T,), -1, dtype=torch.int64, device=device)
-    versions_T[mask_T] = shard.versions.long()
+    versions_T[response_T] = shard.versions.long()
+    # Tokens no policy generated are context, as the prompt is: no loss, no advantage (GAE
+    # runs over the loss tokens only), no drift.
+    mask_T = response_T & (versions_T >= 0)
     empty_T = torch.zeros(T, dtype=torch.float32, device=device)
     # On each sample's last token (any token would do: under context parallelism the loss
     # reads the fields shifted within each sequence, packing/cp.py, which moves but never drops one).

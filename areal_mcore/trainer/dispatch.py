@@ -69,7 +69,7 @@ class RolloutShard:
 
     @classmethod
     def from_samples(cls, samples, packer: SamplePacker | None = None) -> RolloutShard:
-        """Packs ``rollout.controller.Sample``s (prompt_ids, output_ids, logprobs, versions,
+        """Packs ``rollout.trajectory.Sample``s (prompt_ids, output_ids, logprobs, versions,
         reward). Samples the ``packer`` converted as they arrived are concatenated (memcpy
         speed); otherwise numpy converts the lists here (~20 ns an element, like pickling)."""
         packed = packer.arrays_of(samples) if packer is not None else None
@@ -149,10 +149,10 @@ def _routed(samples) -> torch.Tensor:
 
 
 class SamplePacker:
-    """Converts each finished group's lists to arrays as it arrives (``RolloutController.on_group``,
+    """Converts each finished group's lists to arrays as it arrives (``RolloutExecutor.on_group``,
     on the rollout loop's thread while other groups still generate), so that dispatch only
     concatenates. Arrays live as long as their sample (a weakref finaliser drops them, also
-    for groups the controller discards as stale)."""
+    for groups the executor discards as stale)."""
 
     def __init__(self):
         self._arrays: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -176,7 +176,7 @@ class SamplePacker:
 
 def split_groups(samples: list, group_size: int, dp_size: int) -> list[list]:
     """Replica d's samples: prompt groups d, d + D, ... (groups of ``group_size`` contiguous
-    samples, as the controller returns them)."""
+    samples, as the executor returns them)."""
     groups = [samples[i:i + group_size] for i in range(0, len(samples), group_size)]
     return [[s for grp in groups[d::dp_size] for s in grp] for d in range(dp_size)]
 

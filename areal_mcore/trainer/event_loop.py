@@ -1,7 +1,7 @@
 """An asyncio event loop on its own thread, for a trainer that trains on the main thread.
 
 Async rollouts go on while the main thread trains; sync mode simply waits on the loop.
-The rollout side's objects (client, controller) are not thread-safe, so every call into
+The rollout side's objects (client, executor) are not thread-safe, so every call into
 them goes through :meth:`LoopThread.run` or :meth:`LoopThread.call`.
 """
 

@@ -1,7 +1,7 @@
 """The boba RL loop: rollout -> rewards -> advantages -> train -> weight sync.
 
 Every rank runs ``train(cfg)`` (torchrun or the tests' gloo spawner). Global rank 0 owns
-the rollout side (``trainer/rollout_side.py``: servers, client, controller, reward pool)
+the rollout side (``trainer/rollout_side.py``: servers, client, executor, reward pool)
 and hands each data-parallel replica its share of the prompt groups; all ranks train and
 take part in weight sync.
 A run stops early, with a checkpoint, when ``<run>/STOP`` appears or a rank gets SIGUSR2 or
@@ -270,14 +270,14 @@ class PPORun:
         self.phases = S.Phases(self.run_dir / "trace.json" if t.trace and self.rank == 0 else None)
         # Servers may hold anything (another run's weights, a base model): serve the actor's.
         self.sync(version=self.start_step)
-        if t.mode == "async" and self.rank == 0:
+        if self.rank == 0:
             self.rollout_side.start_sampling()
         self._last_row_t = time.perf_counter()
         self.remember_state()
 
     # ---- resumable state (rank 0; the actor's own is the checkpointer's) ------------------
     def state_dict(self) -> dict | None:
-        """What a resumed run needs beyond the actor: the prompt order and the controller's
+        """What a resumed run needs beyond the actor: the prompt order and the executor's
         state, and the W&B run it continues. None on the ranks without a rollout side."""
         if self.rollout_side is None:
             return None

@@ -1,9 +1,9 @@
 """Global rank 0's half of the PPO run: what samples the batches.
 
 Servers (launched here unless ``server.addresses`` names running ones), the client, the
-training controller, the reward pool, the prompt sampler and the held-out evaluator. Built
-on rank 0 only; the other ranks train on what ``trainer.dispatch`` hands them. Every call
-into the client and controllers runs on the trainer's event-loop thread.
+training rollouts' executor, the reward pool, the prompt sampler and the held-out
+evaluator. Built on rank 0 only; the other ranks train on what ``trainer.dispatch`` hands
+them. Every call into the client and executors runs on the trainer's event-loop thread.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from areal_mcore.data.sampler import EpochSampler
 from areal_mcore.reward.pool import RewardCounts, RewardPool
 from areal_mcore.rollout.auth import configured_key, launch_key
 from areal_mcore.rollout.client import ClientConfig, RolloutClient, relax_gc
-from areal_mcore.rollout.controller import RolloutBatch, RolloutController
+from areal_mcore.rollout.episodes import EpisodeEnv, make_episode
+from areal_mcore.rollout.executor import RolloutExecutor, sample
 from areal_mcore.rollout.protocol import RolloutError
 from areal_mcore.rollout.servers import launch_servers
+from areal_mcore.rollout.trajectory import RolloutBatch
 from areal_mcore.run_dir import RunDir
 from areal_mcore.trainer.dispatch import SamplePacker
 from areal_mcore.trainer.event_loop import LoopThread
@@ -36,7 +38,7 @@ class RolloutSide:
         """``cfg``: the ``ExperimentConfig`` (``dataset``, ``rollout``, ``server``, ``reward``,
         ``trainer`` and ``eval_dataset`` are read)."""
         self.cfg, self.loop = cfg, loop
-        self.servers, self.pool, self.client, self.controller = [], None, None, None
+        self.servers, self.pool, self.client, self.executor = [], None, None, None
         try:
             self._start(tokenizer, run)
         except BaseException:
@@ -56,6 +58,16 @@ class RolloutSide:
                              f"({train_set.dropped_long} longer than trainer.max_prompt_tokens="
                              f"{t.max_prompt_tokens} dropped), fewer than trainer.batch_size={t.batch_size}")
         self.sampler = EpochSampler(len(self.prompts), t.batch_size, cfg.seed)
+        self.pool = RewardPool(cfg.reward)
+        # The training rollouts' reward errors and timeouts (evals score through their own).
+        self.reward_counts, self._counted = RewardCounts(), RewardCounts()
+        self.decode = partial(tokenizer.decode, skip_special_tokens=True)
+        self.env = EpisodeEnv(score=self.pool.ascore, decode=self.decode,
+                              encode=partial(tokenizer.encode, add_special_tokens=False), tools=self.pool.arun_tools)
+        # Built before any server starts: an episode that cannot work here (a tool-call
+        # marker the tokenizer splits) says so first.
+        episode = make_episode(cfg.rollout, dataclasses.replace(
+            self.env, score=partial(self.pool.ascore, counts=self.reward_counts)))
         self.addresses = list(cfg.server.addresses)
         # Servers we launch take a key of this run's unless one is configured, and load
         # weights from disk only from under the run directory (docs/rollout.md#security);
@@ -66,9 +78,6 @@ class RolloutSide:
             self.servers = launch_servers(cfg.server, default_log_dir=str(run.servers),  # logs with the run
                                           api_key=self.api_key, weights_root=str(run.path.absolute()))
             self.addresses = [s.address for s in self.servers]
-        self.pool = RewardPool(cfg.reward)
-        # The training rollouts' reward errors and timeouts (evals score through their own).
-        self.reward_counts, self._counted = RewardCounts(), RewardCounts()
         relax_gc()  # rank 0's event loop parses every response (see relax_gc)
         self.client = RolloutClient(ClientConfig.from_sections(cfg.rollout, cfg.server, addresses=self.addresses,
                                                                api_key=self.api_key, model_path=cfg.model_path,
@@ -76,11 +85,10 @@ class RolloutSide:
         for server, process in zip(self.client.fleet.servers, self.servers):  # none with server.addresses
             server.owner_pid = process.proc.pid
         self.loop.run(self.client.start())
-        self.decode = partial(tokenizer.decode, skip_special_tokens=True)
-        self.controller = RolloutController(cfg.rollout, self.client,
-                                            partial(self.pool.ascore, counts=self.reward_counts), self.decode)
+        self.executor = RolloutExecutor(cfg.rollout, self.client, episode, batch_size=t.batch_size,
+                                        sync=t.mode == "sync")
         self.packer = SamplePacker()  # each group becomes arrays as it arrives (dispatch concatenates)
-        self.controller.on_group = self.packer
+        self.executor.on_group = self.packer
         self.eval_prompts = []
         if cfg.eval_dataset is not None and t.eval_freq:
             # The prompts `areal-mcore eval --config` builds for the same file (one function).
@@ -88,9 +96,10 @@ class RolloutSide:
                                             max_prompt_tokens=t.max_prompt_tokens).prompts
 
     def start_sampling(self) -> None:
-        """``trainer.mode=async``: sampling starts (where the restored sampler is) and runs
-        on during training; ``rollout`` collects from it."""
-        self.loop.call(self.controller.start, self._prompt_stream(), self.cfg.trainer.batch_size)
+        """Hands the executor the prompt stream, from where the restored sampler is: in
+        ``trainer.mode=async`` sampling runs on during training, in ``sync`` each
+        ``rollout`` samples a batch; each prompt is drawn as its group is admitted."""
+        self.loop.call(self.executor.submit, self._prompt_stream())
 
     def _prompt_stream(self):
         while True:
@@ -100,12 +109,7 @@ class RolloutSide:
         """The next batch: sampled now (sync) or collected from the running stream (async),
         with the rewards scored 0.0 since the last batch for raising (``reward/errors``) or
         overrunning ``reward.timeout_s`` (``reward/timeouts``)."""
-        if self.cfg.trainer.mode == "async":
-            out = self.loop.run(self.controller.prepare_batch(self.cfg.trainer.batch_size))
-        else:
-            def next_prompts():  # also dynamic sampling's further rounds: the sampler's state moves on
-                return [self.prompts[i] for i in self.sampler.next_batch()]
-            out = self.loop.run(self.controller.rollout_batch(next_prompts(), more=next_prompts))
+        out = self.loop.run(self.executor.wait(self.cfg.trainer.batch_size))
         now, before = dataclasses.replace(self.reward_counts), self._counted  # ints: a plain copy
         self._counted = now
         out.stats.update({"reward/errors": float(now.errors - before.errors),
@@ -118,18 +122,18 @@ class RolloutSide:
             return None
         t = time.perf_counter()
         rollout = self.cfg.rollout
-        # A fresh controller each time, with its own seed: evaluating never changes what
+        # A fresh executor each time, with its own seed: evaluating never changes what
         # training samples, every eval draws the same seeds (its curve moves with the
         # weights only), and `areal-mcore eval` with the run's config draws them too.
-        evaluator = RolloutController(dataclasses.replace(rollout, seed=rollout.seed + 1),
-                                      self.client, self.pool.ascore, self.decode)
-        out = self.loop.run(evaluator.rollout_batch(self.eval_prompts))
+        rollout = dataclasses.replace(rollout, seed=rollout.seed + 1)
+        episode = make_episode(rollout, self.env)
+        out = self.loop.run(sample(rollout, self.client, episode, self.eval_prompts))
         return {"eval/accuracy": out.stats["rollout/accuracy"], "eval/n_samples": out.stats["rollout/n_samples"],
                 "eval/time_s": time.perf_counter() - t}
 
     def set_version(self, version: int) -> list:
         """Tags new samples with ``version``; returns the servers' weight versions."""
-        self.loop.call(self.controller.set_version, version)
+        self.loop.call(self.executor.set_version, version)
         return self.loop.run(self.client.weight_versions())
 
     def abort_all(self) -> None:
@@ -141,15 +145,15 @@ class RolloutSide:
 
     def state_dict(self) -> dict:
         return {"sampler": self.loop.call(self.sampler.state_dict),
-                "controller": self.loop.call(self.controller.state_dict)}
+                "controller": self.loop.call(self.executor.state_dict)}  # the key checkpoints had
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
-        self.controller.load_state_dict(state["controller"])
+        self.executor.load_state_dict(state["controller"])
 
     def close(self) -> None:
-        if self.controller is not None:
-            self.loop.run(self.controller.stop())
+        if self.executor is not None:
+            self.loop.run(self.executor.stop())
         if self.client is not None:
             self.loop.run(self.client.close())
         if self.pool is not None:

@@ -23,7 +23,8 @@ def sft_pairs(problems, tokenizer, *, response_template: str = "The answer is {s
 
     A ``messages`` problem whose last turn is the assistant's (an SFT set with written
     solutions, e.g. boba's SFT-200) trains on that turn; any other problem on
-    ``response_template`` filled with its first gold solution as ``{solution}``.
+    ``response_template`` filled with its first gold solution as ``{solution}`` and its
+    row's other columns by name.
     """
     from areal_mcore.data.prompts import build_prompts
 
@@ -34,7 +35,11 @@ def sft_pairs(problems, tokenizer, *, response_template: str = "The answer is {s
             responses.append(p.prompt[-1][1])
         else:
             questions.append(p)
-            responses.append(response_template.format(solution=p.solutions[0]))
+            try:  # the row's other columns may fill it too (the tiny tool task's {lead})
+                responses.append(response_template.format_map({**p.fields, "solution": p.solutions[0]}))
+            except KeyError as e:
+                raise ValueError(f"sft.response_template={response_template!r} names {e}, which the problem at "
+                                 f"{p.source} lacks (its fields: {sorted(p.fields)})") from None
     prompts, dropped = build_prompts(questions, tokenizer, max_prompt_tokens=1 << 30, suffix=suffix)
     assert not dropped  # no length limit was asked for
     eos = tokenizer.eos_token_id

@@ -6,7 +6,8 @@
 - ``rollouts/step_N.jsonl`` with ``trainer.dump_to_file``: prompt, response, reward,
   lengths and per-token weight versions of every sample;
 - ``trace.json`` with ``trainer.trace``: the step phases as Chrome-trace events;
-- ``curves.png`` at the end: training reward/accuracy and held-out accuracy vs step.
+- ``curves.png`` at the end: training reward/accuracy and held-out accuracy vs step (and
+  the tool-call rate of a tool-using episode).
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ class RunLogger:
                 f"loss {_scalar(r['train/loss']):+.4f} stale {r['rollout/staleness_mean']:.2f} "
                 + (f"kept {r['rollout/dynamic_kept_ratio']:.2f} ({r['rollout/dynamic_groups']:.0f} groups) "
                    if "rollout/dynamic_kept_ratio" in r else "")  # rollout.dynamic_sampling
+                + (f"calls {r['rollout/tool_call_rate']:.2f} " if "rollout/tool_call_rate" in r else "")
                 + (f"sync {r['sync/time_s']:.2f}s " if "sync/time_s" in r else "sync skipped (stopping) ")
                 + f"step {r['time/step_s']:.1f}s")
         self.print(line)
@@ -207,7 +209,10 @@ class RunLogger:
                     "step": step, "group": s.group, "prompt": decode(s.prompt_ids),
                     "response": decode(s.output_ids), "reward": s.reward, "finish_reason": s.finish_reason,
                     "prompt_len": len(s.prompt_ids), "response_len": len(s.output_ids),
-                    "start_version": s.start_version, "versions": s.versions}) + "\n")
+                    "start_version": s.start_version, "versions": s.versions,
+                    # the token ids as generated and appended (a multi-turn trajectory's
+                    # tool output among them: version -1), which the text may not round-trip
+                    "response_ids": s.output_ids}) + "\n")
 
     def close(self) -> Path | None:
         """Flushes everything and draws the curves; returns the plot's path."""
@@ -246,7 +251,8 @@ def _keep_rows(path: Path, keep) -> None:
 
 
 def plot_curves(run_dir: Path) -> Path | None:
-    """``curves.png``: per-step training reward and accuracy, and held-out accuracy."""
+    """``curves.png``: per-step training reward and accuracy, held-out accuracy, and the
+    tool-call rate of a tool-using episode."""
     rows = RunDir(run_dir).stats_rows()
     evals = read_jsonl(run_dir / "eval.jsonl")
     if not rows and not evals:
@@ -268,6 +274,9 @@ def plot_curves(run_dir: Path) -> Path | None:
     if evals:
         ax.plot([e["step"] for e in evals], [e["eval/accuracy"] for e in evals], "o-", color="C2",
                 label="held-out accuracy")
+    calls = [(r["step"], r["rollout/tool_call_rate"]) for r in rows if "rollout/tool_call_rate" in r]
+    if calls:  # a multi-turn episode with a tool (rollout/episodes/tool_use.py)
+        ax.plot(*zip(*calls), lw=1.0, color="C1", label="tool-call rate (samples with a call)")
     ax.set_xlabel("PPO step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
