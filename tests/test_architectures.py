@@ -183,9 +183,10 @@ def _convert(*args):
 # and at EP=2 too: 4 ranks, each writing half of each of its 4 experts; with Qwen3's q/k norms
 # under TP=2 (a dense Qwen3 at TP=2 ran here too: it adds no name qwen3_moe lacks, 162 s).
 # llama3 adds no weight names; its --verify checks that the RoPE scaling survives the
-# checkpoint's manifest. qwen2_moe: the shared expert and its gate (mlp.shared_experts.*) under TP.
-@pytest.mark.parametrize("arch, layout", [("qwen3_moe", ["--tp", "2", "--ep", "2"]), ("llama3", []),
-                                          ("qwen2_moe", ["--tp", "2"])])
+# checkpoint's manifest. (qwen2_moe at TP=2 ran here too, 141 s on 2026-12-06: its shared
+# expert's names under TP are checked by test_moe.py's export at TP=2 x EP=2 and in-memory
+# round trips.)
+@pytest.mark.parametrize("arch, layout", [("qwen3_moe", ["--tp", "2", "--ep", "2"]), ("llama3", [])])
 def test_convert_hf_to_mcore_and_back_is_bitwise_and_verifies(arch, layout, tmp_path):
     from areal_mcore.convert.tools import load_hf_state_dict
 

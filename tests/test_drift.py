@@ -61,11 +61,11 @@ def test_the_drift_alarm_is_on_by_default_at_the_dtypes_threshold_needs_a_positi
 
     configs = Path(__file__).parents[1] / "configs"
     tiny = configs / "tiny_cpu.yaml"
-    assert load_config(tiny).trainer.max_rollout_logprob_gap == 1e-3  # all float32
-    for shipped in configs.glob("*.yaml"):  # every PPO config: on, bf16's threshold beyond the tiny run's
+    fp32 = {tiny, configs / "tiny_tool_cpu.yaml"}  # the tiny runs: all float32
+    for shipped in configs.glob("*.yaml"):  # every PPO config: on, bf16's threshold beyond the tiny runs'
         cfg = load_config(shipped)
-        if cfg.trainer is not None and cfg.rollout is not None and shipped != tiny:
-            assert cfg.trainer.max_rollout_logprob_gap == 0.1, shipped
+        if cfg.trainer is not None and cfg.rollout is not None:
+            assert cfg.trainer.max_rollout_logprob_gap == (1e-3 if shipped in fp32 else 0.1), shipped
     assert load_config(tiny, ["weight_sync.dtype=bfloat16"]).trainer.max_rollout_logprob_gap == 0.1
     assert load_config(tiny, ["trainer.drift_alarm=false"]).trainer.max_rollout_logprob_gap is None
     assert load_config(tiny, ["trainer.max_rollout_logprob_gap=0.5"]).trainer.max_rollout_logprob_gap == 0.5
