@@ -22,7 +22,7 @@ the batch trains (on-policy), and with dynamic sampling a dropped group is repla
 exactly one new one, so the batch ends with nothing in flight and the set of groups judged
 does not depend on timing.
 
-``accepted`` counts the groups ready or consumed (always ``consumed + ready``); it is
+``accepted`` counts the groups ready or consumed (a property: ``consumed + ready``); it is
 restored from a checkpoint as the number consumed, so the staleness bound holds across a
 resume (AReaL #1388: a reset counter admitted ``max_head_offpolicyness + version + 1``
 batches at once). A group whose admission version is more than ``max_head_offpolicyness``
@@ -52,7 +52,6 @@ class Admission:
     running: int = 0  # groups admitted and not landed
     generating: int = 0  # request slots they hold
     ready: int = 0  # groups landed, kept and not handed out
-    accepted: int = 0  # ready + consumed
     consumed: int = 0  # groups handed out in batches
     wanted: int = 0  # sync: the waited-for batch's size (0: nothing is admitted)
     seen: int = 0  # groups judged since the last batch
@@ -61,6 +60,11 @@ class Admission:
     dropped_uniform: int = 0  # groups dynamic sampling rejected
     max_generating_seen: int = 0
     slots: dict[int, int] = field(default_factory=dict)  # group -> request slots it holds
+
+    @property
+    def accepted(self) -> int:
+        """Groups ready or consumed: what the staleness bound counts."""
+        return self.ready + self.consumed
 
     def capacity(self) -> int:
         """How many groups may start now (0 or less: none)."""
@@ -105,7 +109,6 @@ class Admission:
         if keep:
             self.kept += 1
             self.ready += 1
-            self.accepted += 1
         else:
             self.dropped_uniform += 1
 
@@ -114,8 +117,7 @@ class Admission:
         return start_version < self.version - self.max_head_offpolicyness
 
     def drop_stale(self) -> None:
-        self.ready -= 1
-        self.accepted -= 1  # frees capacity for a fresh group
+        self.ready -= 1  # frees capacity for a fresh group
         self.dropped_stale += 1
 
     def cut(self) -> bool:
@@ -135,7 +137,7 @@ class Admission:
         # Groups in flight or ready at checkpoint time died with the process: only the
         # consumed ones count, and nothing was judged since the last batch.
         self.version = state["version"]
-        self.consumed = self.accepted = state["consumed"]
+        self.consumed = state["consumed"]
         self.next_group = state["next_group"]
         self.dropped_stale = state["dropped_stale"]
         self.dropped_uniform = state.get("dropped_uniform", 0)  # absent in checkpoints before it
