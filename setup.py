@@ -33,12 +33,15 @@ INSTALL_REQUIRES = [
     # dataset.path as Parquet/JSON files, folders, save_to_disk folders and hub ids
     # (data/sources.py); JSONL needs nothing beyond the standard library.
     "datasets>=3",
+    # `areal-mcore doctor`'s GPU checks (NVML); pure Python, it loads the driver's
+    # libnvidia-ml at run time and reports its absence as an NVML error.
+    "nvidia-ml-py",
 ]
 
 EXTRAS_REQUIRE = {
     # NVIDIA apex is not on PyPI; it comes with NVIDIA's PyTorch containers and is
     # detected at run time (areal_mcore/accel.py), like transformer-engine.
-    "gpu": ["transformer-engine[pytorch]", "sglang", "nvidia-ml-py"],
+    "gpu": ["transformer-engine[pytorch]", "sglang"],
     # triton: the kernels' tests run it on CPU through its interpreter (3.9 is tested;
     # GPU installs get it with CUDA torch anyway).
     # msgspec + pydantic: the contract tests run SGLang's own request structs (tests/_sglang.py).
