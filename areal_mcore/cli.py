@@ -419,6 +419,40 @@ def run_launch(a) -> int:
     return 0
 
 
+def add_doctor_parsers(sub) -> None:
+    from areal_mcore.doctor.config import CHECKS
+
+    p = sub.add_parser(
+        "doctor", help="preflight: check the cluster against this run's shape before it starts",
+        description="Check GPUs (NVML), the software stack, the fabric (an all-reduce over the trainer's "
+                    "ranks), the network between trainer and rollout nodes, the run directory's filesystem, "
+                    "Slurm's settings, torchrun variables in the steps' environment and the memory plan. Inside "
+                    "a Slurm allocation it runs on every node of it; elsewhere on this machine. Prints a table, "
+                    "writes <run>/doctor.json; exit status 1 when a check fails (docs/slurm_admin.md).",
+        epilog="example: salloc -N 3 --gpus-per-node=8 areal-mcore doctor --config configs/boba_7b.yaml "
+               "launch.allocation=sglang:d8+megatron:d16")
+    p.add_argument("--config", required=True, help="YAML file under configs/")
+    p.add_argument("overrides", nargs="*", help="a.b.c=value overrides, applied after the file")
+    p.add_argument("--checks", type=_csv, help=f"only these, comma-separated: {','.join(CHECKS)} (sets doctor.checks)")
+    p.add_argument("--warn-only", action="store_true", help="exit 0 even when a check fails (start anyway)")
+    p.add_argument("--local", action="store_true", help="check this machine only, even inside a Slurm job")
+
+
+def run_doctor(a) -> int:
+    import os
+
+    overrides = a.overrides + ([f"doctor.checks={json.dumps(a.checks)}"] if a.checks else [])
+    if "SLURM_JOB_ID" in os.environ and not a.local:
+        from areal_mcore.launcher.slurm import Launcher
+
+        return Launcher(a.config, overrides).doctor(warn_only=a.warn_only)[0]
+    from areal_mcore.config import load_config
+    from areal_mcore.doctor.preflight import local, report, run_dir
+
+    cfg = load_config(a.config, overrides)
+    return report(run_dir(cfg), local(cfg), warn_only=a.warn_only, config=a.config, where="local")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="areal-mcore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -428,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     add_eval_parsers(sub)
     add_launch_parsers(sub)
     add_plan_parsers(sub)
+    add_doctor_parsers(sub)
     verify = sub.add_parser("verify-checkpoint", help="check checkpoint folders against their manifests' hashes",
                             epilog="example: areal-mcore verify-checkpoint runs/tiny-cpu/checkpoints/step_*")
     verify.add_argument("checkpoints", nargs="+", help="checkpoints/step_* folders")
@@ -438,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     from areal_mcore.rollout.protocol import RolloutError
     try:
         return {"convert": run_convert, "filter": run_filter, "train": run_train,
-                "sft": run_train, "eval": run_eval, "launch": run_launch, "plan": run_plan,
+                "sft": run_train, "eval": run_eval, "launch": run_launch, "plan": run_plan, "doctor": run_doctor,
                 "verify-checkpoint": run_verify_checkpoint}[a.command](a)
     except (ValueError, FileNotFoundError) as e:  # user errors; anything else is a bug: traceback
         print(f"areal-mcore {a.command}: error: {e}", file=sys.stderr)

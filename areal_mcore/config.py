@@ -32,6 +32,7 @@ from areal_mcore.actor.config import ActorConfig
 from areal_mcore.algo.config import PPOConfig
 from areal_mcore.checks import FieldError
 from areal_mcore.data.jsonl import DatasetConfig
+from areal_mcore.doctor.config import DoctorConfig
 from areal_mcore.eval.config import EvalConfig, FilterConfig
 from areal_mcore.launcher.allocation import parse_allocation
 from areal_mcore.launcher.config import LaunchConfig
@@ -87,6 +88,7 @@ class ExperimentConfig(InferenceConfig):
     sft: SFTConfig | None = None
     launch: LaunchConfig = field(default_factory=LaunchConfig)  # Slurm (launcher/slurm.py)
     plan: PlanConfig = field(default_factory=PlanConfig)  # memory planner (areal-mcore plan)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)  # cluster preflight (areal-mcore doctor)
 
     def __post_init__(self):
         super().__post_init__()

@@ -205,6 +205,7 @@ SECTION_CASES = {
     "sft": ("sft.response_template=x", "sft.response_template"),
     "launch": ("launch.gpus_per_node=0", "launch.gpus_per_node"),
     "plan": ("plan.margin_gb=-1", "plan.margin_gb"),
+    "doctor": ("doctor.checks=[gpus]", "doctor.checks"),
     "eval": ("eval={model_kind: rl, n_samples: 0}", "eval.n_samples"),  # model_kind is required
     "filter": ("filter={out: kept.jsonl, k: 0}", "filter.k"),  # and out
 }

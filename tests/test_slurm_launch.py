@@ -91,7 +91,7 @@ def _overrides(assets, log_dir, name, steps):
             "trainer.eval_freq=0", f"trainer.total_steps={steps}", "trainer.batch_size=2", "trainer.save_freq=1",
             f"trainer.log_dir={log_dir}", "trainer.progress=false", "rollout.n_samples=2",
             "rollout.max_new_tokens=8", "ppo.reward_norm.group_size=2", "actor.mb_spec.max_tokens_per_mb=512",
-            "reward.num_workers=1", "server.context_length=256"]
+            "reward.num_workers=1", "server.context_length=256", "doctor.on_launch=off"]
 
 
 def _sbatch(overrides, tmp_path, *flags, mark=""):
@@ -127,8 +127,10 @@ def uninterrupted(assets, tmp_path_factory):
     from areal_mcore.launcher.submit import SubmitConfig, submit
 
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
-    overrides = _overrides(assets, tmp_path, "submitit", 6) + [*_NONZERO, "launch.allocation=embedded:d1+megatron:d1",
-                                                               "launch.gpus_per_node=1"]
+    # The doctor on (as the sbatch default): submitit's job runs it first too.
+    overrides = _overrides(assets, tmp_path, "submitit", 6)[:-1] + [
+        *_NONZERO, "launch.allocation=embedded:d1+megatron:d1", "launch.gpus_per_node=1", "doctor.allreduce_mb=1",
+        "doctor.checks=[storage,env,ports,network,fabric,slurm]"]
     cwd = os.getcwd()
     os.chdir(REPO)  # the job runs where it was submitted from
     try:
@@ -337,6 +339,8 @@ def test_submitit_launch_completes_and_returns_the_final_stats(uninterrupted):
     # the options it is given).
     script = (uninterrupted.folder / f"{job.job_id}_submission.sh").read_text()
     assert "#SBATCH --exclusive" in script and "#SBATCH --mem=0" in script, script
+    doctor = json.loads((uninterrupted.folder.parent / "submitit" / "doctor.json").read_text())
+    assert doctor["failed"] == [] and {"fabric.all_reduce", "slurm.requeue"} <= {c["name"] for c in doctor["checks"]}
 
 
 def test_sbatch_scripts_pass_bash_n_and_shellcheck():
@@ -350,11 +354,21 @@ def test_sbatch_scripts_pass_bash_n_and_shellcheck():
 
 def test_srun_steps_run_with_their_gpus_share_of_cpus_and_memory(assets, tmp_path):
     # 2-CPU nodes, one "GPU" (process) per node, 4000 MB asked for the job on each node.
-    job = _sbatch(_overrides(assets, tmp_path, "share", 1), tmp_path, "--mem=4000")
+    # The doctor on, as sbatch runs it by default: its steps come first, on every node.
+    overrides = [*_overrides(assets, tmp_path, "share", 1)[:-1], "doctor.allreduce_mb=4"]
+    job = _sbatch(overrides, tmp_path, "--mem=4000")
     assert wait(job, 300) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
-    rows = run("sacct", "-n", "-P", "-j", job, "-o", "JobName,AllocCPUS,ReqMem").splitlines()
-    got = {name: (cpus, mem) for name, cpus, mem in (r.split("|") for r in rows if r)}
+    rows = run("sacct", "-n", "-P", "-j", job, "-o", "JobName,AllocCPUS,ReqMem,NodeList,Start,End").splitlines()
+    got = {name: rest for name, *rest in (r.split("|") for r in rows if r)}
     assert got["rollout0"][0] == got["trainer"][0] == "2", got  # the node's CPUs / 1 GPU x 1
+    assert got["doctor"][2] == "node[1-2]" and got["doctor-fabric"][2] == "node2", got
+    assert got["doctor"][4] <= got["doctor-fabric"][3] and got["doctor-fabric"][4] <= got["rollout0"][3], got
+    report = json.loads((tmp_path / "share" / "doctor.json").read_text())
+    assert report["failed"] == [] and report["seconds"] <= 60, report
+    names = {(c["name"], c["where"]) for c in report["checks"] if c["state"] == "pass"}
+    assert {("storage.rename", "node1"), ("storage.rename", "node2"), ("network.reach", "node2"),
+            ("weight_sync.broadcast", "node1"), ("weight_sync.broadcast", "node2"), ("fabric.all_reduce", "job"),
+            ("slurm.kill_wait", "job"), ("memory.plan", "job")} <= names, names
     # This cluster does not count memory (CR_Core: sacct shows no step memory), so the
     # flags are read from the launcher's log of each step's srun line.
     log = (tmp_path / f"slurm-{job}.out").read_text()
@@ -395,7 +409,7 @@ def test_a_two_node_trainer_starts_with_each_nodes_rank_and_the_masters_port(ass
     out_dir = tmp_path / "sft_model"
     overrides = ["experiment_name=sft2", f"trainer.log_dir={tmp_path}", f"dataset.path={assets['train']}",
                  f"sft.base_model={assets['model']}", f"sft.output_dir={out_dir}", "sft.steps=2",
-                 "sft.batch_size=4"]
+                 "sft.batch_size=4", "launch.gpus=false"]  # CPU nodes (the doctor fails GPU steps without GPUs)
     job = run("sbatch", "--parsable", "-N", "2", "--gpus-per-node=0", "--time=10",
               f"--output={tmp_path}/slurm-%j.out", "launch/slurm/boba_32b.sh", *overrides,
               cwd=REPO, env=env).strip().split(";")[0]
@@ -404,3 +418,25 @@ def test_a_two_node_trainer_starts_with_each_nodes_rank_and_the_masters_port(ass
     master = json.loads((tmp_path / "sft2" / "slurm" / "rendezvous" / "trainer_master.json").read_text())
     assert master["node"] == "node1"
     assert (out_dir / "config.json").is_file()
+    # The doctor ran first (by default), its all-reduce across both trainer nodes as torchrun starts the trainer.
+    fabric = next(c for c in json.loads((tmp_path / "sft2" / "doctor.json").read_text())["checks"]
+                  if c["name"] == "fabric.all_reduce")
+    assert fabric["state"] == "pass" and "over 2 ranks on 2 node(s)" in fabric["measured"], fabric
+
+
+def test_a_killwait_below_the_checkpoint_lead_fails_the_doctor_and_starts_nothing(assets, tmp_path):
+    """A requeued run whose steps took 50 s to train and 25 s to save: the 30 s KillWait of this
+    cluster would SIGKILL it mid-save at scancel or preemption. The job fails in the doctor,
+    before any server or trainer step."""
+    run_dir = tmp_path / "killwait"
+    run_dir.mkdir()
+    (run_dir / "stats.jsonl").write_text(json.dumps({"step": 1, "time/train_s": 50.0, "time/save_s": 25.0}) + "\n")
+    overrides = [*_overrides(assets, tmp_path, "killwait", 2)[:-1], "doctor.checks=[slurm]"]
+    job = _sbatch(overrides, tmp_path)
+    assert wait(job, 120) == "FAILED"
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert set(steps(job)) == {"boba-1.5b", "batch", "doctor"}, steps(job)  # no server, no trainer
+    report = json.loads((run_dir / "doctor.json").read_text())
+    assert len(report["failed"]) == 1 and report["failed"][0].startswith("FAIL slurm.kill_wait on job: KillWait 30 s "
+                                                                         "(expected >= 75 s"), report["failed"]
+    assert "the doctor failed (FAIL slurm.kill_wait" in log and "doctor.on_launch=warn" in log, log[-2000:]

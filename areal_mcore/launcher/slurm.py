@@ -1,8 +1,10 @@
 """The in-allocation launcher: ``python -m areal_mcore.launcher.slurm run --config X.yaml [a.b=c ...]``.
 
 Runs as the batch step of an sbatch job (launch/slurm/*.sh) or a submitit job. It splits
-the job's nodes by ``launch.allocation`` (rollout nodes first), starts one ``srun`` step
-per rollout server (each picks a free port on its node and publishes ``host:port`` to
+the job's nodes by ``launch.allocation`` (rollout nodes first), runs the doctor on every
+node (``areal_mcore/doctor``: the job fails there, naming what to fix, before any server
+starts; ``doctor.on_launch``), starts one ``srun`` step
+per rollout server (each takes ``server.base_port + i`` or a free port on its node and publishes ``host:port`` to
 ``<run>/slurm/rendezvous/``), waits for their ``/health``, then starts the trainer as one
 ``srun`` step of torchrun across the trainer nodes, pointed at the servers.
 
@@ -141,6 +143,11 @@ class Launcher:
                 self._on_usr2(signal.SIGUSR2, None)
         signal.signal(signal.SIGTERM, self._on_term)
         try:
+            if self.cfg.doctor.on_launch != "off":  # before any server: a sick node fails the job in a minute
+                code, first = self.doctor()
+                if code:
+                    return self._fail(f"the doctor failed ({first}; all of it in {self.files.path / 'doctor.json'}); "
+                                      "fix it, or resubmit with doctor.on_launch=warn to start anyway")
             addresses = self._start_servers(rollout_nodes) if self.alloc.rollout else []
             self._start_trainer(trainer_nodes, addresses)
             return self._watch()
@@ -148,6 +155,19 @@ class Launcher:
             return self._fail(str(e))
         finally:
             self._stop_all()
+
+    def doctor(self, *, warn_only: bool = False) -> tuple[int, str | None]:
+        """``areal-mcore doctor`` on every node of this allocation: the exit code and the first
+        failed check's line."""
+        from areal_mcore.doctor.preflight import in_allocation, report
+
+        self.status.update(state="DOCTOR")
+        start = time.monotonic()
+        checks = in_allocation(self, {n: node_address(n) for n in self.job.nodes}, step_environment())
+        warn_only = warn_only or self.cfg.doctor.on_launch == "warn"
+        code = report(self.files, checks, warn_only=warn_only, job=self.job.job_id, attempt=self.job.restarts,
+                      nodes=self.job.nodes, seconds=round(time.monotonic() - start, 1))
+        return code, next((c.line for c in checks if c.state == "fail"), None)
 
     def _start_servers(self, nodes: list[str]) -> list[str]:
         r, gpn = self.alloc.rollout, self.cfg.launch.gpus_per_node
@@ -374,14 +394,15 @@ class Launcher:
 
 
 def serve(config: str, overrides: list[str], index: int, host: str, rendezvous: Path) -> None:
-    """One rollout server (an srun task): picks a port on this node, publishes it, execs."""
+    """One rollout server (an srun task): takes its port (server.base_port + index, else a free
+    one on this node), publishes it, execs."""
     from areal_mcore.config import load_config
     from areal_mcore.rollout.auth import configured_key
     from areal_mcore.rollout.engines import engine_for
     from areal_mcore.rollout.servers import server_command
 
     cfg = load_config(config, overrides)
-    port = free_port(host)
+    port = cfg.server.base_port + index if cfg.server.base_port else free_port(host)
     server = dataclasses.replace(cfg.server, host=host)
     cmd = server_command(server, port=port, seed=cfg.server.seed + index)
     # As launch_servers does: the engine's environment, and the key (the launcher's, in
@@ -460,7 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     torchrun.add_argument("--master-addr", required=True)
     torchrun.add_argument("--port-file", type=Path, required=True)
     torchrun.add_argument("args", nargs=argparse.REMAINDER)
-    for q in (run, serve_p):
+    doctor = sub.add_parser("doctor-node", help="(internal) one node's doctor checks")
+    doctor.add_argument("--dir", type=Path, required=True)
+    for q in (run, serve_p, doctor):
         q.add_argument("--config", required=True)
         q.add_argument("overrides", nargs="*")
     serve_p.add_argument("--index", type=int, required=True)
@@ -477,6 +500,11 @@ def main(argv: list[str] | None = None) -> int:
                f"--master-addr={a.master_addr}", f"--master-port={port}", *args]
         os.execv(cmd[0], cmd)
         return 0  # not reached: execv replaces this process
+    if a.command == "doctor-node":
+        from areal_mcore.config import load_config
+        from areal_mcore.doctor.preflight import node_step
+
+        return node_step(load_config(a.config, a.overrides), a.dir)
     if a.command == "serve":
         serve(a.config, a.overrides, a.index, a.host, a.rendezvous)
         return 0

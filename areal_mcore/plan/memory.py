@@ -362,7 +362,7 @@ def server_plan(args: ModelArgs, shape: ServerShape) -> dict:
     when TP exceeds them. A sequence of ``sequence_tokens`` needs that many KV slots.
     """
     t, b = shape.tp, shape.dtype_bytes
-    weights = _total_params(args) * b / t
+    weights = total_params(args) * b / t
     kv_heads = max(1, args.num_kv_heads // t)
     kv_per_token = 2 * args.num_layers * kv_heads * args.head_dim * b
     pool = shape.mem_fraction_static * shape.gpu_bytes - weights
@@ -374,7 +374,7 @@ def server_plan(args: ModelArgs, shape: ServerShape) -> dict:
             "sequences_configured": wanted, "fits": pool > 0 and fit >= max(1, wanted)}
 
 
-def _total_params(args: ModelArgs) -> int:
+def total_params(args: ModelArgs) -> int:
     embed = args.vocab_size * args.hidden_size
     return (sum(layer_params(args, i) for i in range(args.num_layers))
             + embed * (1 if args.tie_word_embeddings else 2) + args.hidden_size)

@@ -29,7 +29,9 @@ class ServerConfig:
     dtype: str = "bfloat16"
     seed: int = 1
     host: str = "127.0.0.1"
-    base_port: int | None = None  # None: free ports picked at launch
+    # Server i listens on base_port + i (under Slurm too: a site's firewall may open one
+    # range); None: free ports picked at launch.
+    base_port: int | None = None
     # The key every route but /health needs; None: $AREAL_ROLLOUT_API_KEY, else a random
     # one per launch (rollout/auth.py). Never passed on a command line.
     api_key: str | None = None

@@ -1,0 +1,31 @@
+"""The ``doctor`` section: what ``areal-mcore doctor`` checks and what the launcher does with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal_mcore.checks import check_choice, check_positive, field_error
+
+CHECKS = ("gpu", "stack", "storage", "env", "ports", "network", "fabric", "slurm", "memory")
+ON_LAUNCH = ("fail", "warn", "off")
+
+
+@dataclass(kw_only=True)
+class DoctorConfig:
+    # The Slurm launcher runs the doctor before any server: fail stops the job when a check
+    # fails (exit 1), warn prints the table and starts anyway, off skips it.
+    on_launch: str = "fail"
+    checks: list[str] = field(default_factory=lambda: list(CHECKS))
+    allreduce_mb: int = 64  # the fabric check's all-reduce size per rank
+    # Bus bandwidth below this warns (GB/s, nccl-tests' busbw); null: by interconnect
+    # (docs/slurm_admin.md): NCCL 100 inside a node, 10 across nodes; gloo is not judged.
+    min_busbw_gbps: float | None = None
+    timeout_s: float = 60.0  # each srun step of the doctor, and the fabric's process group
+
+    def __post_init__(self):
+        check_choice("on_launch", self.on_launch, ON_LAUNCH)
+        for name in self.checks:
+            if name not in CHECKS:
+                raise field_error("checks", self.checks, f"names {name!r}; choose from {list(CHECKS)}")
+        check_positive("allreduce_mb", self.allreduce_mb)
+        check_positive("timeout_s", self.timeout_s)
