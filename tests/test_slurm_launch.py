@@ -91,7 +91,7 @@ def _overrides(assets, log_dir, name, steps):
             "trainer.eval_freq=0", f"trainer.total_steps={steps}", "trainer.batch_size=2", "trainer.save_freq=1",
             f"trainer.log_dir={log_dir}", "trainer.progress=false", "rollout.n_samples=2",
             "rollout.max_new_tokens=8", "ppo.reward_norm.group_size=2", "actor.mb_spec.max_tokens_per_mb=512",
-            "reward.num_workers=1", "server.context_length=256", "doctor.on_launch=off"]
+            "reward.num_workers=1", "server.context_length=256", "doctor.on_launch=skip"]
 
 
 def _sbatch(overrides, tmp_path, *flags, mark=""):

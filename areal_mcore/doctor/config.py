@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 from areal_mcore.checks import check_choice, check_positive, field_error
 
 CHECKS = ("gpu", "stack", "storage", "env", "ports", "network", "fabric", "slurm", "memory")
-ON_LAUNCH = ("fail", "warn", "off")
+ON_LAUNCH = ("fail", "warn", "skip")
 
 
 @dataclass(kw_only=True)
 class DoctorConfig:
     # The Slurm launcher runs the doctor before any server: fail stops the job when a check
-    # fails (exit 1), warn prints the table and starts anyway, off skips it.
+    # fails (exit 1), warn prints the table and starts anyway, skip does not run it ("off" would
+    # read as YAML false).
     on_launch: str = "fail"
     checks: list[str] = field(default_factory=lambda: list(CHECKS))
     allreduce_mb: int = 64  # the fabric check's all-reduce size per rank

@@ -4,6 +4,7 @@ interfaces gloo and NCCL will use."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import importlib.metadata as metadata
@@ -124,6 +125,8 @@ def storage_checks(run_dir: Path, need_bytes: int, where: str) -> tuple[list[Che
         for f in probe.glob("*"):
             f.unlink(missing_ok=True)
         probe.rmdir()
+        with contextlib.suppress(OSError):  # another node's probe may still be there
+            probe.parent.rmdir()
     if not any(c.name == "storage.free" for c in checks):
         disk = os.statvfs(run_dir)
         free = disk.f_bavail * disk.f_frsize

@@ -143,7 +143,8 @@ class Launcher:
                 self._on_usr2(signal.SIGUSR2, None)
         signal.signal(signal.SIGTERM, self._on_term)
         try:
-            if self.cfg.doctor.on_launch != "off":  # before any server: a sick node fails the job in a minute
+            if self.cfg.doctor.on_launch != "skip":  # before any server: a sick node fails the job in a minute
+                self.status.update(state="DOCTOR")
                 code, first = self.doctor()
                 if code:
                     return self._fail(f"the doctor failed ({first}; all of it in {self.files.path / 'doctor.json'}); "
@@ -161,7 +162,6 @@ class Launcher:
         failed check's line."""
         from areal_mcore.doctor.preflight import in_allocation, report
 
-        self.status.update(state="DOCTOR")
         start = time.monotonic()
         checks = in_allocation(self, {n: node_address(n) for n in self.job.nodes}, step_environment())
         warn_only = warn_only or self.cfg.doctor.on_launch == "warn"
