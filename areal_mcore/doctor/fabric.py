@@ -20,16 +20,19 @@ from pathlib import Path
 
 
 def all_reduce_busbw(tensor, group, iters: int, sync) -> float:
-    """Bus bandwidth (bytes/s) of ``iters`` all-reduces of ``tensor`` after two warm-ups."""
+    """Bus bandwidth (bytes/s) of ``iters`` all-reduces of ``tensor`` (on the group's device)
+    after two warm-ups."""
     import torch.distributed as dist
+
+    from areal_mcore import collectives
 
     n = dist.get_world_size(group)
     for _ in range(2):
-        dist.all_reduce(tensor, group=group)
+        collectives.all_reduce(tensor, group)
     sync()
     start = time.perf_counter()
     for _ in range(iters):
-        dist.all_reduce(tensor, group=group)
+        collectives.all_reduce(tensor, group)
     sync()
     seconds = (time.perf_counter() - start) / iters
     size = tensor.numel() * tensor.element_size()
@@ -60,6 +63,7 @@ def _run(a) -> dict:
     import torch
     import torch.distributed as dist
 
+    from areal_mcore import collectives
     from areal_mcore.devices import bind_local_device
     from areal_mcore.net import set_nccl_env
 
@@ -84,7 +88,7 @@ def _run(a) -> dict:
             gloo = dist.new_group(backend="gloo", timeout=timeout)
             small = torch.ones(1 << 18, dtype=torch.float32)
             result["gloo_busbw_gbps"] = all_reduce_busbw(small, gloo, a.iters, lambda: None) / 1e9
-        dist.barrier()
+        collectives.barrier(None)
         return result
     finally:
         dist.destroy_process_group()

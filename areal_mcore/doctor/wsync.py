@@ -19,8 +19,8 @@ def broadcast_probe(*, backend: str, master: str, port: int, rank: int, world: i
     """Rank 0 (the first trainer node) hosts the group and sends ``mb`` MB; the others check
     every element they received."""
     import torch
-    import torch.distributed as dist
 
+    from areal_mcore import collectives
     from areal_mcore.rollout.embedded.server import join_group
     from areal_mcore.weight_sync.group import destroy_update_group, init_update_group
 
@@ -37,7 +37,7 @@ def broadcast_probe(*, backend: str, master: str, port: int, rank: int, world: i
         n = (mb << 20) // 4
         bucket = torch.arange(n, dtype=torch.float32, device=device) if rank == 0 else \
             torch.zeros(n, dtype=torch.float32, device=device)
-        dist.broadcast(bucket, src=0, group=pg)
+        collectives.broadcast(bucket, 0, pg)
         if device.type == "cuda":
             torch.cuda.synchronize()
         sent = time.perf_counter()
