@@ -81,24 +81,26 @@ def healthy(address: str, timeout_s: float = 2.0) -> bool:
 def interface_toward(address: str) -> str | None:
     """The name of this host's network interface on the route to ``address`` (IPv4 or a
     host name), or None where Linux's SIOCGIFADDR cannot say."""
-    import fcntl
-    import struct
-
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((address, 1))  # picks the route; sends nothing
             local = s.getsockname()[0]
     except OSError:
         return None
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:  # SIOCGIFADDR: the interface's IPv4 address (bytes 20-24 of struct ifreq)
-                ifreq = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-            except OSError:
-                continue
-        if socket.inet_ntoa(ifreq[20:24]) == local:
-            return name
-    return None
+    return next((name for _, name in socket.if_nameindex() if ipv4_of(name) == local), None)
+
+
+def ipv4_of(name: str) -> str | None:
+    """Interface ``name``'s IPv4 address, or None (no such interface, or no address)."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:  # SIOCGIFADDR: the interface's IPv4 address (bytes 20-24 of struct ifreq)
+            ifreq = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(ifreq[20:24])
 
 
 def set_gloo_interface(env: MutableMapping[str, str], master_address: str) -> None:

@@ -123,9 +123,9 @@ def test_a_gloo_interface_that_cannot_reach_the_master_fails(capsys, run, monkey
 def test_a_loopback_gloo_interface_fails_when_the_master_is_on_another_address():
     """pytorch#68726: gloo on 127.0.x.x tells other nodes to connect to their own loopback."""
     names = [n for _, n in socket.if_nameindex()]
-    from areal_mcore.doctor.node import _ipv4_of
+    from areal_mcore.net import ipv4_of
 
-    other = next((a for a in map(_ipv4_of, names) if a and not a.startswith("127.")), None)
+    other = next((a for a in map(ipv4_of, names) if a and not a.startswith("127.")), None)
     if other is None:
         pytest.skip("no non-loopback IPv4 address here")
     bad = interface_checks(other, {"GLOO_SOCKET_IFNAME": "lo"}, "here")[0]

@@ -53,9 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         (a.out / f"fabric_error_rank{rank}.txt").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         return 1
     if rank == 0:
-        tmp = a.out / ".fabric.json"
-        tmp.write_text(json.dumps(result))
-        tmp.replace(a.out / "fabric.json")
+        from areal_mcore.run_dir import write_atomic
+
+        write_atomic(a.out / "fabric.json", json.dumps(result), fsync=False)
     return 0
 
 

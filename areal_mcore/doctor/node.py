@@ -236,17 +236,6 @@ def reach_check(targets: dict[str, list[str]], where: str, timeout_s: float = 5.
                  "(firewall, security groups), or set server.base_port to a range that is open", where)
 
 
-def _ipv4_of(name: str) -> str | None:
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:  # SIOCGIFADDR: the interface's IPv4 address (bytes 20-24 of struct ifreq)
-            ifreq = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-        except OSError:
-            return None
-    return socket.inet_ntoa(ifreq[20:24])
-
-
 def _is_loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
@@ -258,7 +247,7 @@ def interface_checks(master: str, environ: Mapping[str, str], where: str) -> lis
     """Which interface gloo and NCCL will use, and whether gloo's reaches ``master`` (the
     trainer's first node): gloo binds GLOO_SOCKET_IFNAME's address and tells the other ranks
     to connect there, so a loopback interface works only when every rank is on this host."""
-    from areal_mcore.net import interface_toward
+    from areal_mcore.net import interface_toward, ipv4_of
 
     names = [n for _, n in socket.if_nameindex()]
     gloo = environ.get("GLOO_SOCKET_IFNAME")
@@ -270,7 +259,7 @@ def interface_checks(master: str, environ: Mapping[str, str], where: str) -> lis
                             "master", f"no route from this node to the master address {master}", where))
     else:
         first = gloo.split(",")[0]
-        address = _ipv4_of(first) if first in names else None
+        address = ipv4_of(first) if first in names else None
         why = (f"no interface {first!r} on this node (it has {', '.join(names)})" if first not in names else
                f"{first} has no IPv4 address" if address is None else
                f"{first} is loopback ({address}): ranks on other nodes cannot reach it, and {master} is not on it"

@@ -32,7 +32,7 @@ from areal_mcore.doctor.slurm_checks import (
     slurm_config,
 )
 from areal_mcore.doctor.table import Check, exit_code, fail, format_table, write_json
-from areal_mcore.run_dir import RunDir
+from areal_mcore.run_dir import RunDir, write_atomic
 
 KEEP_CHECKPOINTS = 2 + 1  # CheckpointConfig.keep_last, and the one being written before the oldest goes
 
@@ -230,9 +230,8 @@ def in_allocation(launcher, addresses: dict[str, str], env: dict[str, str]) -> l
     roles = {n: NodeRole(n, addresses[n]) for n in job.nodes}
     if alloc.rollout:
         r = alloc.rollout
-        per_node = gpn // (r.t * r.p) if r.gpus >= gpn else r.d  # as Launcher._start_servers places them
-        for i in range(r.d):
-            role = roles[rollout_nodes[i // per_node]]
+        for i, node in enumerate(launcher.server_nodes(rollout_nodes)):  # where Launcher._start_servers puts them
+            role = roles[node]
             role.servers += 1
             role.gpus += r.t if launcher.gpus else 0
             if s.base_port:
@@ -373,9 +372,7 @@ def _weight_sync(cfg, out: Path, me: str, first: str, rollout: list[str], role: 
 
 
 def _publish(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(data), fsync=False)  # other nodes read it whole or not at all
 
 
 def report(files: RunDir, checks: list[Check], *, warn_only: bool = False, **about) -> int:

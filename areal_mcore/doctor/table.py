@@ -55,11 +55,11 @@ def format_table(checks: list[Check]) -> str:
 
 
 def write_json(checks: list[Check], path: Path, **about) -> None:
+    from areal_mcore.run_dir import write_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({**about, "checks": [asdict(c) for c in checks],
-                               "failed": [c.line for c in checks if c.state == "fail"]}, indent=1))
-    tmp.replace(path)
+    write_atomic(path, json.dumps({**about, "checks": [asdict(c) for c in checks],
+                                   "failed": [c.line for c in checks if c.state == "fail"]}, indent=1), fsync=False)
 
 
 def exit_code(checks: list[Check], *, warn_only: bool = False) -> int:

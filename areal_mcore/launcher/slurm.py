@@ -169,9 +169,14 @@ class Launcher:
                       nodes=self.job.nodes, seconds=round(time.monotonic() - start, 1))
         return code, next((c.line for c in checks if c.state == "fail"), None)
 
-    def _start_servers(self, nodes: list[str]) -> list[str]:
+    def server_nodes(self, nodes: list[str]) -> list[str]:
+        """The node of each rollout server, in server order, on the rollout ``nodes``."""
         r, gpn = self.alloc.rollout, self.cfg.launch.gpus_per_node
         per_node = gpn // (r.t * r.p) if r.gpus >= gpn else r.d  # servers per node
+        return [nodes[i // per_node] for i in range(r.d)]
+
+    def _start_servers(self, nodes: list[str]) -> list[str]:
+        r = self.alloc.rollout
         rendezvous = self.slurm_dir / "rendezvous"
         rendezvous.mkdir(exist_ok=True)
         for old in rendezvous.glob("server_*.json"):
@@ -184,8 +189,7 @@ class Launcher:
         # files are created owner-only (srun(1)), as SGLang logs its args, the key among them.
         self.api_key = launch_key(self.cfg.server, self.files)
         env = {**step_environment(), KEY_ENV: self.api_key, "SLURM_UMASK": "0077"}
-        for i in range(r.d):
-            node = nodes[i // per_node]
+        for i, node in enumerate(self.server_nodes(nodes)):
             srun = self._srun(f"rollout{i}", [node], ntasks_per_node=1,
                               gpus_per_node=r.t if self.gpus else 0, share=r.t)
             cmd = [*srun, sys.executable, "-m", "areal_mcore.launcher.slurm", "serve", "--config", self.config,
