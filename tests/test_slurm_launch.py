@@ -86,6 +86,20 @@ def test_two_node_job_runs_a_step_on_each_node(tmp_path):
     assert all(steps.get(step) == "COMPLETED" for step in want), f"sacct steps: {steps}"
 
 
+_cancel_at_teardown: list[str] = []  # the jobs a test submitted
+
+
+@pytest.fixture(autouse=True)
+def _cancel_leftover_jobs():
+    """A test that fails (or runs into pytest-timeout) while its job runs leaves the job
+    running, and the next test's job waits behind it (--exclusive) until its own waits run
+    out: cancel what each test submitted."""
+    yield
+    if _cancel_at_teardown:
+        subprocess.run(["scancel", *_cancel_at_teardown], capture_output=True)
+        _cancel_at_teardown.clear()
+
+
 def _overrides(assets, log_dir, name, steps):
     return [f"experiment_name={name}", f"model_path={assets['model']}", f"dataset.path={assets['train']}",
             "trainer.eval_freq=0", f"trainer.total_steps={steps}", "trainer.batch_size=2", "trainer.save_freq=1",
@@ -100,7 +114,9 @@ def _sbatch(overrides, tmp_path, *flags, mark=""):
     out = run("sbatch", "--parsable", "-N", "2", "--gpus-per-node=0", "--time=10",
               f"--output={tmp_path}/slurm-%j.out", *flags, "launch/slurm/boba_1.5b.sh", *overrides,
               cwd=REPO, env=env)
-    return out.strip().split(";")[0]
+    job = out.strip().split(";")[0]
+    _cancel_at_teardown.append(job)
+    return job
 
 
 def _rows(run_dir):
@@ -112,11 +128,16 @@ def _status(run_dir):
     return json.loads((run_dir / "slurm" / "status.json").read_text())
 
 
-def _wait_rows(run_dir, n, job_id, timeout_s=240):
-    deadline = time.monotonic() + timeout_s
+def _wait_rows(run_dir, n, job_id, timeout_s=300):
+    """Until ``n`` steps are logged, ``timeout_s`` from the job's start (pending time is the
+    queue's, not the run's)."""
+    deadline = None
     while len(_rows(run_dir)) < n:
-        assert time.monotonic() < deadline and state(job_id) not in TERMINAL, \
-            f"job {job_id} is {state(job_id)} with {len(_rows(run_dir))} steps logged"
+        st = state(job_id)
+        if deadline is None and st not in ("", "PENDING"):
+            deadline = time.monotonic() + timeout_s
+        assert st not in TERMINAL and (deadline is None or time.monotonic() < deadline), \
+            f"job {job_id} is {st} with {len(_rows(run_dir))} steps logged"
         time.sleep(0.5)
 
 
@@ -135,10 +156,16 @@ def uninterrupted(assets, tmp_path_factory):
     os.chdir(REPO)  # the job runs where it was submitted from
     try:
         (job,) = submit(SubmitConfig(config="configs/tiny_cpu.yaml", overrides=overrides, nodes=2,
-                                     gpus_per_node=0, time="10:00", folder=str(tmp_path / "jobs")))
+                                     gpus_per_node=0, time="30:00", folder=str(tmp_path / "jobs")))
     finally:
         os.chdir(cwd)
-    result = job.result()  # blocks until the job ends
+    # 30 minutes: the time-limit warning (B:USR2@300) must not interrupt this run on a slow
+    # machine (it came 5 minutes into a 10-minute limit in a loaded CI run).
+    try:
+        result = job.result()  # blocks until the job ends
+    except BaseException:  # pytest-timeout included: do not leave it running
+        subprocess.run(["scancel", job.job_id], capture_output=True)
+        raise
     return SimpleNamespace(job=job, result=result, folder=tmp_path / "jobs",
                            rows=_rows(tmp_path / "submitit"))
 
@@ -154,6 +181,7 @@ def _stopped_at(log: str) -> int:
     return int(log.rsplit("checkpointing step ", 1)[1].split()[0])
 
 
+@pytest.mark.timeout(1200)  # the module's submitit run (its fixture) counts toward this test's time
 def test_sbatch_run_requeued_mid_run_resumes_from_its_last_step_bitwise(assets, uninterrupted, tmp_path):
     """``scontrol requeue`` signals every process of every step (SIGTERM), not the
     trainer alone. With an earlier checkpoint on disk (step 3: save_freq=3), that signal
@@ -343,6 +371,32 @@ def test_submitit_launch_completes_and_returns_the_final_stats(uninterrupted):
     assert doctor["failed"] == [] and {"fabric.all_reduce", "slurm.requeue"} <= {c["name"] for c in doctor["checks"]}
 
 
+def test_submitits_time_limit_signal_reaches_its_checkpoint_and_requeues(tmp_path):
+    """submitit's batch script runs its command in bash (use_srun=False), and --signal=B:USR2
+    signals the batch shell only: bash exited on it (its default action), so a submitit job
+    reaching its time-limit warning ended FAILED instead of checkpointing and requeueing.
+    Here the same executor as ``areal-mcore launch`` runs a probe (``LaunchJob``'s
+    checkpoint contract, without a run) and gets USR2 as Slurm sends the warning."""
+    import _submitit_probe
+    import cloudpickle
+
+    from areal_mcore.launcher.submit import SubmitConfig, executor
+
+    require_cluster()
+    cloudpickle.register_pickle_by_value(_submitit_probe)
+    started = tmp_path / "started"
+    cfg = SubmitConfig(config="", nodes=1, gpus_per_node=0, time="10:00", folder=str(tmp_path / "jobs"))
+    job = executor(cfg, "probe").submit(_submitit_probe.Probe(str(started)))
+    _cancel_at_teardown.append(job.job_id)
+    deadline = time.monotonic() + 240
+    while not started.exists():
+        assert time.monotonic() < deadline and state(job.job_id) not in TERMINAL, state(job.job_id)
+        time.sleep(0.2)
+    run("scancel", "--batch", "--signal=USR2", job.job_id)
+    assert wait(job.job_id, 240) == "COMPLETED", job.stderr()
+    assert job.result() == {"tries": 2, "restart_count": "1"}
+
+
 def test_sbatch_scripts_pass_bash_n_and_shellcheck():
     require("shellcheck", "shellcheck is not installed")
     scripts = sorted(str(p) for p in [*REPO.glob("launch/slurm/*.sh"), *REPO.glob("scripts/*.sh")])
@@ -364,7 +418,7 @@ def test_srun_steps_run_with_their_gpus_share_of_cpus_and_memory(assets, tmp_pat
     assert got["doctor"][2] == "node[1-2]" and got["doctor-fabric"][2] == "node2", got
     assert got["doctor"][4] <= got["doctor-fabric"][3] and got["doctor-fabric"][4] <= got["rollout0"][3], got
     report = json.loads((tmp_path / "share" / "doctor.json").read_text())
-    assert report["failed"] == [] and report["seconds"] <= 60, report
+    assert report["failed"] == [], report  # its time is measured (docs/slurm_admin.md), not asserted
     names = {(c["name"], c["where"]) for c in report["checks"] if c["state"] == "pass"}
     assert {("storage.rename", "node1"), ("storage.rename", "node2"), ("network.reach", "node2"),
             ("weight_sync.broadcast", "node1"), ("weight_sync.broadcast", "node2"), ("fabric.all_reduce", "job"),
@@ -390,6 +444,7 @@ def test_the_headers_gpus_per_node_does_not_give_one_server_step_the_whole_node(
     job = run("sbatch", "--parsable", "-N", "2", "--gpus-per-node=2", "--time=10",
               f"--output={tmp_path}/slurm-%j.out", "launch/slurm/boba_1.5b.sh", *overrides,
               cwd=REPO, env=env).strip().split(";")[0]
+    _cancel_at_teardown.append(job)
     ended = wait(job, 300)
     log = (tmp_path / f"slurm-{job}.out").read_text()
     assert ended == "COMPLETED", log[-3000:]
@@ -413,6 +468,7 @@ def test_a_two_node_trainer_starts_with_each_nodes_rank_and_the_masters_port(ass
     job = run("sbatch", "--parsable", "-N", "2", "--gpus-per-node=0", "--time=10",
               f"--output={tmp_path}/slurm-%j.out", "launch/slurm/boba_32b.sh", *overrides,
               cwd=REPO, env=env).strip().split(";")[0]
+    _cancel_at_teardown.append(job)
     assert wait(job, 300) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
     assert steps(job)["trainer"] == ("COMPLETED", "node[1-2]"), steps(job)
     master = json.loads((tmp_path / "sft2" / "slurm" / "rendezvous" / "trainer_master.json").read_text())

@@ -21,7 +21,10 @@ class DoctorConfig:
     # Bus bandwidth below this warns (GB/s, nccl-tests' busbw); null: by interconnect
     # (docs/slurm_admin.md): NCCL 100 inside a node, 10 across nodes; gloo is not judged.
     min_busbw_gbps: float | None = None
-    timeout_s: float = 60.0  # each srun step of the doctor, and the fabric's process group
+    # Each srun step of the doctor, and the fabric's process group. Python and torch start
+    # in each task first: from a cold shared filesystem on many nodes at once that alone
+    # can take a minute, and a doctor that times out on it fails a healthy job.
+    timeout_s: float = 180.0
 
     def __post_init__(self):
         check_choice("on_launch", self.on_launch, ON_LAUNCH)

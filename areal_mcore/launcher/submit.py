@@ -9,6 +9,8 @@ and waits for it, then submitit requeues the job, which resumes from that checkp
 from __future__ import annotations
 
 import itertools
+import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -90,16 +92,32 @@ def submit(cfg: SubmitConfig):
     """Submits the run(s); returns the submitit jobs."""
     import os
 
-    import submitit
-
     from areal_mcore.config import load_config
 
     name = load_config(cfg.config, cfg.overrides).experiment_name  # config errors before submitting
     runs = sweep_overrides(cfg.overrides, cfg.sweep, name)
     for overrides in runs:
         load_config(cfg.config, overrides)
-    executor = submitit.SlurmExecutor(folder=cfg.folder, max_num_timeout=cfg.max_restarts)
-    executor.update_parameters(
+    ex = executor(cfg, name)
+    jobs = [LaunchJob(cfg.config, o, os.getcwd()) for o in runs]
+    if len(jobs) == 1:
+        return [ex.submit(jobs[0])]
+    return ex.submit_array(jobs)
+
+
+def executor(cfg: SubmitConfig, name: str):
+    """The submitit executor of ``cfg``'s jobs, named ``name``."""
+    import submitit
+
+    # exec: with use_srun=False the batch script runs submitit's command in bash
+    # (submitit/slurm/slurm.py: _make_sbatch_string), and --signal=B:USR2 signals only the
+    # batch shell (sbatch(1)). Bash's default action for USR2 is to exit, which ended the
+    # job as FAILED at the time-limit warning, before submitit's handler could checkpoint
+    # and requeue. Exec'd, the Python process is the batch shell and gets it, as the sbatch
+    # scripts exec the launcher.
+    ex = submitit.SlurmExecutor(folder=cfg.folder, max_num_timeout=cfg.max_restarts,
+                                python=f"exec {shlex.quote(sys.executable)}")
+    ex.update_parameters(
         job_name=name, nodes=1, ntasks_per_node=1, time=_minutes(cfg.time),
         # Whole nodes, as the sbatch headers ask: submitit writes only the options it is
         # given, and a node shared with the site's default CPUs (often 1 per task) leaves
@@ -114,10 +132,7 @@ def submit(cfg: SubmitConfig):
         **({"partition": cfg.partition} if cfg.partition else {}),
         **({"gpus_per_node": cfg.gpus_per_node} if cfg.gpus_per_node else {}),
     )
-    jobs = [LaunchJob(cfg.config, o, os.getcwd()) for o in runs]
-    if len(jobs) == 1:
-        return [executor.submit(jobs[0])]
-    return executor.submit_array(jobs)
+    return ex
 
 
 def wait(jobs, poll_s: float = 5.0) -> list[dict]:
