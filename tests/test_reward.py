@@ -130,7 +130,8 @@ def test_overrunning_item_is_killed_counted_and_its_worker_replaced():
     # 9^387420489: verifying it runs until a timeout cuts it (measured: 30 s at a 30 s
     # timeout). A long sum (the old item) was slow only while the worker's LaTeX parser
     # warmed up (0.9 s the first time, 0.01 s after), and scored inside the deadline once
-    # the parser was warm.
+    # the parser was warm. Workers now warm it before they are ready: the quick item's
+    # 0.5 s is its own (a cold worker's first parse overran it on a loaded CI machine).
     slow = f"{B}{{9^{{9^{{9}}}}}}"
     before = set(_children())
     with RewardPool(RewardPoolConfig(num_workers=2, timeout_s=0.5)) as pool:
