@@ -100,6 +100,13 @@ def _cancel_leftover_jobs():
         _cancel_at_teardown.clear()
 
 
+def _submitted(sbatch_out: str) -> str:
+    """The job id from ``sbatch --parsable``'s output, cancelled at the test's teardown."""
+    job = sbatch_out.strip().split(";")[0]
+    _cancel_at_teardown.append(job)
+    return job
+
+
 def _overrides(assets, log_dir, name, steps):
     return [f"experiment_name={name}", f"model_path={assets['model']}", f"dataset.path={assets['train']}",
             "trainer.eval_freq=0", f"trainer.total_steps={steps}", "trainer.batch_size=2", "trainer.save_freq=1",
@@ -114,9 +121,7 @@ def _sbatch(overrides, tmp_path, *flags, mark=""):
     out = run("sbatch", "--parsable", "-N", "2", "--gpus-per-node=0", "--time=10",
               f"--output={tmp_path}/slurm-%j.out", *flags, "launch/slurm/boba_1.5b.sh", *overrides,
               cwd=REPO, env=env)
-    job = out.strip().split(";")[0]
-    _cancel_at_teardown.append(job)
-    return job
+    return _submitted(out)
 
 
 def _rows(run_dir):
@@ -441,10 +446,9 @@ def test_the_headers_gpus_per_node_does_not_give_one_server_step_the_whole_node(
            "GPUS_PER_NODE": "2", "PY": sys.executable}
     overrides = [*_overrides(assets, tmp_path, "gpus", 1), "launch.gpus=true",
                  "launch.server_startup_timeout_s=90"]
-    job = run("sbatch", "--parsable", "-N", "2", "--gpus-per-node=2", "--time=10",
-              f"--output={tmp_path}/slurm-%j.out", "launch/slurm/boba_1.5b.sh", *overrides,
-              cwd=REPO, env=env).strip().split(";")[0]
-    _cancel_at_teardown.append(job)
+    job = _submitted(run("sbatch", "--parsable", "-N", "2", "--gpus-per-node=2", "--time=10",
+                         f"--output={tmp_path}/slurm-%j.out", "launch/slurm/boba_1.5b.sh", *overrides,
+                         cwd=REPO, env=env))
     ended = wait(job, 300)
     log = (tmp_path / f"slurm-{job}.out").read_text()
     assert ended == "COMPLETED", log[-3000:]
@@ -465,10 +469,9 @@ def test_a_two_node_trainer_starts_with_each_nodes_rank_and_the_masters_port(ass
     overrides = ["experiment_name=sft2", f"trainer.log_dir={tmp_path}", f"dataset.path={assets['train']}",
                  f"sft.base_model={assets['model']}", f"sft.output_dir={out_dir}", "sft.steps=2",
                  "sft.batch_size=4", "launch.gpus=false"]  # CPU nodes (the doctor fails GPU steps without GPUs)
-    job = run("sbatch", "--parsable", "-N", "2", "--gpus-per-node=0", "--time=10",
-              f"--output={tmp_path}/slurm-%j.out", "launch/slurm/boba_32b.sh", *overrides,
-              cwd=REPO, env=env).strip().split(";")[0]
-    _cancel_at_teardown.append(job)
+    job = _submitted(run("sbatch", "--parsable", "-N", "2", "--gpus-per-node=0", "--time=10",
+                         f"--output={tmp_path}/slurm-%j.out", "launch/slurm/boba_32b.sh", *overrides,
+                         cwd=REPO, env=env))
     assert wait(job, 300) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
     assert steps(job)["trainer"] == ("COMPLETED", "node[1-2]"), steps(job)
     master = json.loads((tmp_path / "sft2" / "slurm" / "rendezvous" / "trainer_master.json").read_text())
