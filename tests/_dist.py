@@ -15,9 +15,10 @@ from areal_mcore.devices import bind_local_device
 from areal_mcore.net import free_port
 
 # Ranks fork from multiprocessing's forkserver, which imported these once, instead of each
-# spawned rank importing them again: ~5 s of CPU per rank (megatron-core alone pulls in
-# torch._dynamo), and the suite starts about a hundred ranks.
-PRELOAD = ["torch", "torch.distributed", "transformers", "megatron.core",
+# spawned rank importing them again: ~8 s of CPU per rank, and the suite starts hundreds.
+# areal_mcore before megatron: it installs the hook that keeps megatron's fusions eager on
+# CPU (areal_mcore/model/eager_fusions.py), which spares the import dynamo and inductor.
+PRELOAD = ["torch", "torch.distributed", "transformers", "areal_mcore", "megatron.core",
            "areal_mcore.actor.megatron_actor", "areal_mcore.trainer.ppo", "_actor_setup"]
 
 

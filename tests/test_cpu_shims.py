@@ -45,3 +45,35 @@ def test_modules_with_cuda_streams_get_cpu_streams_and_torch_cuda_is_untouched()
     stream.wait_stream(stream)  # what megatron calls on it: no-ops on CPU
     assert cpu_torch.cuda.is_available is torch.cuda.is_available
     assert torch.cuda.current_stream is current_stream
+
+
+def _fresh_jit(finder):
+    """megatron/core/jit.py executed anew as the import hook would load it."""
+    import importlib.util
+
+    spec = finder.find_spec("megatron.core.jit", importlib.import_module("megatron.core").__path__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_megatrons_fusions_are_eager_on_cpu_and_compiled_where_cuda_is(monkeypatch):
+    """jit_fuser is torch.compile (megatron/core/jit.py), whose every decoration imported
+    dynamo and inductor (4.7 s of megatron's import on 2 cores) and would build C++ kernels
+    on CPU. Without CUDA it binds to an identity decorator; with CUDA it is torch.compile.
+    Importing areal_mcore (light: no torch) installs the hook, before any megatron import."""
+    import subprocess
+    import sys
+
+    from areal_mcore.model import eager_fusions
+
+    compile_ = torch.compile
+    jit = _fresh_jit(eager_fusions._EagerJitFinder())
+    assert jit.jit_fuser is eager_fusions._eager and jit.jit_fuser(torch.add) is torch.add
+    assert torch.compile is compile_  # only during the module's execution
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _fresh_jit(eager_fusions._EagerJitFinder()).jit_fuser is compile_
+    probe = ("import sys, areal_mcore; from areal_mcore.model.eager_fusions import _FINDER; "
+             "print(_FINDER in sys.meta_path, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"]

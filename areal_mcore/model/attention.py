@@ -29,7 +29,6 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from torch.nn.attention.bias import causal_lower_right
 
 from areal_mcore.packing.cp import cp_gather_order
 
@@ -120,7 +119,13 @@ class CPUCoreAttention(MegatronModule):
         # keys is aligned to the bottom right; SDPA's is_causal aligns it to the top left
         # (torch/nn/functional.py, scaled_dot_product_attention).
         sq, sk = q_1HSD.shape[2], k_1HSD.shape[2]
-        mask = None if sq == sk else causal_lower_right(sq, sk)
+        mask = None
+        if sq != sk:
+            # Imported here: torch/nn/attention/bias.py imports dynamo (~5 s of a 2-core
+            # machine), which a process that never attends across CP chunks need not pay.
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(sq, sk)
         return F.scaled_dot_product_attention(
             q_1HSD, k_1HSD, v_1HSD, is_causal=mask is None, attn_mask=mask, scale=self.softmax_scale,
             dropout_p=self.dropout if self.training else 0.0,
