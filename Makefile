@@ -138,7 +138,7 @@ MCORE_DESELECT ?= $(addprefix --deselect tests/,\
 	test_convert.py::test_config_mismatch_lists_every_field_and_writes_nothing)
 test-mcore019: install install-mcore019
 	AREAL_MCORE_OTHER_PY=$(abspath $(PY)) $(PY019) -m pytest $(MCORE_TESTS) $(MCORE_DESELECT) \
-	  -n $(MCORE_WORKERS) $(XDIST) $(PYTEST_ARGS)
+	  -n $(MCORE_WORKERS) $(XDIST) --junitxml=$(REPORTS)/mcore019.xml $(PYTEST_ARGS)
 
 # What the suite needs from the system (root, or sudo): a real Slurm cluster on this
 # machine (2 virtual nodes, accounting) and shellcheck for the sbatch scripts.
@@ -175,6 +175,9 @@ FAST_TIER := not (slow or slurm or server or multirank or venv)
 # (tests/conftest.py). (loadscope, not loadgroup: xdist 3.8's groups rename node ids,
 # which pytest 9 no longer lets it do, so every test became its own group.)
 TEST_WORKERS ?= 2
+# Every test's duration, one JUnit XML file per stage (scripts/test_durations.py reads them;
+# make test ends with its report).
+REPORTS := build/test-reports
 MCORE_WORKERS ?= 2
 XDIST = --dist loadscope --no-loadscope-reorder
 test-fast: install sglang-wheels
@@ -183,7 +186,7 @@ test-fast: install sglang-wheels
 # AREAL_REQUIRE_SYSDEPS: Slurm/shellcheck tests fail instead of skipping when missing.
 test-main: install sysdeps sglang-wheels
 	AREAL_REQUIRE_SYSDEPS=1 SGLANG_WHEELS=$(SGLANG_WHEELS) $(PY) -m pytest -n $(TEST_WORKERS) $(XDIST) \
-	  $(PYTEST_ARGS)
+	  --junitxml=$(REPORTS)/main.xml $(PYTEST_ARGS)
 
 test-deps: install sysdeps sglang-wheels install-mcore019
 
