@@ -139,6 +139,22 @@ def _crash_worker(rank, world, root):
             sorted(p.name for p in Path(root).iterdir()))
 
 
+def test_a_write_error_without_errno_on_a_full_disk_is_named_enospc(tmp_path, monkeypatch):
+    """megatron's common-state save is ``torch.save`` to a path: on a full disk its C++
+    stream fails as "basic_ios::clear: iostream error", with no errno to name the cause."""
+    import shutil
+
+    from areal_mcore.actor import checkpoint as ck
+
+    iostream = RuntimeError("basic_ios::clear: iostream error")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: usage._replace(free=ck.FULL_BELOW - 1))
+    assert ck._errno(iostream, tmp_path / ".step_1.tmp") == 28
+    assert ck._errno(None, tmp_path / ".step_1.tmp") is None  # this rank wrote its share
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: usage._replace(free=ck.FULL_BELOW))
+    assert ck._errno(iostream, tmp_path / ".step_1.tmp") is None  # space left: another failure
+
+
 @pytest.mark.slow
 def test_crash_during_save_keeps_previous_checkpoint_and_latest(tmp_path):
     raised, by_megatron, latest, step, entries, same, after = run_gloo(_crash_worker, 1, str(tmp_path))[0]

@@ -25,6 +25,7 @@ megatron-core than the one running (``mcore_compat.resume_refusal``; older ones 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import queue
@@ -58,6 +59,8 @@ from areal_mcore.run_dir import (
 )
 
 FORMAT = "areal-mcore-ckpt-v1"
+# A write that failed without an errno, on a filesystem with less than this left, ran out of space.
+FULL_BELOW = 1 << 20
 
 
 @dataclass(kw_only=True)
@@ -147,11 +150,11 @@ class Checkpointer:
                                                              self.group) if e]
         if not errors:
             return result
+        code = _errno(error, tmp)  # before the removal below frees the space it looks at
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         why = (f"checkpoint of step {step} failed writing {tmp} (removed; {self.root / LATEST} still "
                f"names the previous checkpoint): {errors[0]}")
-        code = _errno(error)
         if code is not None:  # ENOSPC, EACCES, EIO stay OS errors, as the writer had them
             raise OSError(code, why, str(tmp)) from error
         raise RuntimeError(why) from error
@@ -324,13 +327,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _errno(error: BaseException | None) -> int | None:
+def _errno(error: BaseException | None, tmp: Path) -> int | None:
     """The OS error number of ``error``: its own, or the one megatron's writer process
-    reported only as text ("Worker failure: [Errno 28] No space left on device")."""
+    reported only as text ("Worker failure: [Errno 28] No space left on device"), or ENOSPC
+    where the error has none but ``tmp``'s filesystem is full: ``torch.save`` to a path
+    (megatron's ``save_common``, dist_checkpointing/strategies/common.py) writes through a
+    C++ ofstream, whose failure reaches Python as "basic_ios::clear: iostream error"."""
+    if error is None:
+        return None
     if isinstance(error, OSError):
         return error.errno
     found = re.search(r"\[Errno (\d+)\]", str(error)) if isinstance(error, CheckpointException) else None
-    return int(found.group(1)) if found else None
+    if found:
+        return int(found.group(1))
+    try:
+        full = shutil.disk_usage(tmp.parent).free < FULL_BELOW
+    except OSError:
+        return None
+    return errno.ENOSPC if full else None
 
 
 def _write_results_in_process() -> None:
