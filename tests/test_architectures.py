@@ -201,14 +201,23 @@ def test_convert_hf_to_mcore_and_back_is_bitwise_and_verifies(arch, layout, tmp_
     assert set(back) == set(state) and all(torch.equal(back[k], v) for k, v in state.items())
 
 
-def test_convert_refuses_an_ep_the_model_cannot_split_in_one_line_with_exit_2(tmp_path):
+def _convert_here(capsys, *args) -> tuple[int, list[str]]:
+    """``areal-mcore convert`` in this process (its refusals come before any rank starts):
+    the exit code and the lines of stderr that are the CLI's."""
+    import areal_mcore.cli as cli
+
+    capsys.readouterr()  # save_pretrained's output
+    code = cli.main(["convert", *map(str, args)])
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.startswith("areal-mcore")]
+
+
+def test_convert_refuses_an_ep_the_model_cannot_split_in_one_line_with_exit_2(tmp_path, capsys):
     for arch, ep, why in (("qwen3", "2", "--ep=2: qwen3 is a dense model (no experts); set ep=1"),
                           ("qwen3_moe", "3", "--ep=3 must divide the model's num_experts=8")):
         tiny_model(arch, vocab=VOCAB, **SHAPE)[2].save_pretrained(tmp_path / arch)
-        proc = _convert("hf-to-mcore", "--input", str(tmp_path / arch), "--output", str(tmp_path / "ckpt"),
-                        "--ep", ep)
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and lines == [f"areal-mcore convert: error: {why}"], proc.stderr
+        code, lines = _convert_here(capsys, "hf-to-mcore", "--input", tmp_path / arch, "--output",
+                                    tmp_path / "ckpt", "--ep", ep)
+        assert code == 2 and lines == [f"areal-mcore convert: error: {why}"], lines
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -253,11 +262,10 @@ def test_train_refuses_a_yarn_model_in_one_line_before_anything_starts(command, 
     assert f"{key}={tmp_path / 'm'}: config.json: {YARN_REFUSED}" in capsys.readouterr().err
 
 
-def test_convert_refuses_a_yarn_config_in_one_line_with_exit_2(tmp_path):
+def test_convert_refuses_a_yarn_config_in_one_line_with_exit_2(tmp_path, capsys):
     _yarn_model(tmp_path / "hf")
-    proc = _convert("hf-to-mcore", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"))
-    assert proc.returncode == 2
+    code, lines = _convert_here(capsys, "hf-to-mcore", "--input", tmp_path / "hf", "--output", tmp_path / "ckpt")
     # transformers warns about the yarn config on its own lines; the refusal is one line.
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("areal-mcore")]
-    assert len(lines) == 1 and lines[0].startswith(f"areal-mcore convert: error: {YARN_REFUSED}"), proc.stderr
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"areal-mcore convert: error: {YARN_REFUSED}"), lines
     assert not (tmp_path / "ckpt").exists()

@@ -202,22 +202,24 @@ def hf_to_mcore(input: str | Path, output: str | Path, *, tp: int = 1, pp: int =
     adapter.check_hf_names(names, args, str(input))
     port = free_port()
     world = tp * pp * ep
+    # The ranks fork from a server that imported the actor once, where each spawned rank
+    # imported torch and megatron-core itself (8 s of CPU apiece on 2 cores). A forkserver,
+    # not fork: this process may have run torch's OpenMP threads (a test, a notebook), which
+    # a forked child inherits broken; the server only imports. Where the server already runs
+    # (a second conversion in one process), the preload list is ignored and ranks import
+    # what they lack (multiprocessing/forkserver.py, ensure_running).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["areal_mcore.convert._rank_imports"])
     mp.start_processes(_hf_to_mcore_rank, args=(world, port, str(input), str(output), tp, pp, ep, dtype,
                                                 vocab_divisible_by),
-                       nprocs=world, start_method="spawn")
+                       nprocs=world, start_method="forkserver")
     return latest_checkpoint(output)
 
 
 def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, ep, dtype, vocab_divisible_by):
-    import warnings
-
     import torch.distributed as dist
 
-    # Before megatron-core is imported (a spawned rank starts without the CLI's filters):
-    # its start-up notices (fallbacks, deprecations, experimental classes; 0.19's differ
-    # from 0.16's) and compile-time SyntaxWarnings (module: the file's path) are nothing a
-    # conversion's user acts on. What is missing is said in one line (the accelerators).
-    warnings.filterwarnings("ignore", module=r"(.*/)?megatron[./]")
+    import areal_mcore.convert._rank_imports  # noqa: F401 - the warning filters, if not preloaded
     from areal_mcore.actor.checkpoint import CheckpointConfig, Checkpointer
     from areal_mcore.actor.config import (
         ActorConfig,
@@ -228,8 +230,10 @@ def _hf_to_mcore_rank(rank, world, port, input, output, tp, pp, ep, dtype, vocab
     from areal_mcore.actor.megatron_actor import MegatronActor
     from areal_mcore.devices import bind_local_device
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    bind_local_device({"LOCAL_RANK": str(rank)})  # spawned here, all on this node
+    # One thread a rank unless the user says otherwise; set here, not in the environment:
+    # torch (and OpenMP with it) was loaded in the forkserver, before this rank existed.
+    torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
+    bind_local_device({"LOCAL_RANK": str(rank)})  # forked here, all on this node
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         hf_config = _load_hf_config(input)
