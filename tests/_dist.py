@@ -19,7 +19,10 @@ from areal_mcore.net import free_port
 # areal_mcore before megatron: it installs the hook that keeps megatron's fusions eager on
 # CPU (areal_mcore/model/eager_fusions.py), which spares the import dynamo and inductor.
 PRELOAD = ["torch", "torch.distributed", "transformers", "areal_mcore", "megatron.core",
-           "areal_mcore.actor.megatron_actor", "areal_mcore.trainer.ppo", "_actor_setup"]
+           "areal_mcore.actor.megatron_actor", "areal_mcore.trainer.ppo", "_actor_setup",
+           # torch.optim.Optimizer.__init__ imports dynamo (torch/_compile.py, _disable_dynamo):
+           # 1-3 s in every rank that trains, once here
+           "torch._dynamo"]
 
 
 def rank_context():
