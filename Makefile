@@ -215,7 +215,7 @@ run: install
 run-tool: install
 	PY=$(PY) TASK=tool scripts/quickstart.sh
 
-# Records tests/golden/ (tests/_golden.py), the seeded tiny runs' per-step numbers: after a
+# Records tests/golden/ (tests/_golden.py), the seeded tiny runs' per-step numbers, in this kind of machine's files: after a
 # deliberate numeric change, in a commit that says why, or on a new kind of machine.
 golden: install
 	AREAL_GOLDEN=record $(PY) -m pytest tests/test_vllm_ppo.py -k "golden or short_tiny" $(PYTEST_ARGS)

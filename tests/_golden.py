@@ -12,10 +12,13 @@ the drift alarm's 1e-3. Its tokens do not move (each sample's generator draws th
 anything the trainer computes from them.
 
 The numbers hold for one kind of machine: CPU kernels (oneDNN, vLLM's) pick their code
-by instruction set, and the summation order of a threaded op by the thread count. The
-recording names the machine; on another, the comparison is skipped with both named, and
-``make golden`` records for it. A deliberate numeric change (a recipe, the loss maths)
-re-records with ``make golden``, in a commit that says why.
+by instruction set, and the summation order of a threaded op by the thread count. So each
+kind of machine has its own recording, ``<name>.<kind>.jsonl`` (``kind``: the newest
+instruction set of ``_ISA`` the CPU has and its core count, e.g. ``avx2-2cpu``), whose first
+line names the machine. Where no recording of this kind exists, the comparison is skipped
+naming the kinds recorded, and ``make golden`` records one. A deliberate numeric change (a
+recipe, the loss maths) re-records with ``make golden``, in a commit that says why, and
+deletes the recordings of the kinds it could not re-record on.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ def machine() -> dict:
     return {"torch": torch.__version__, "cpus": os.cpu_count(), "isa": [f for f in _ISA if f in flags]}
 
 
+def kind(m: dict) -> str:
+    """The recording's file suffix for machine ``m``, e.g. ``avx2-2cpu``."""
+    return f"{m['isa'][-1] if m['isa'] else 'noavx'}-{m['cpus']}cpu"
+
+
 def numbers(row: dict) -> dict:
     """A stats row without its clocks (``time/*``, ``perf/*``, ``*time_s``)."""
     return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/")) and not k.endswith("time_s")}
@@ -52,17 +60,19 @@ def check_or_record(name: str, rows: list[dict], near: dict[str, float] | None =
     ``near``: field prefix -> the absolute difference allowed there; every other field is
     compared exactly."""
     near = near or {}
-    path = GOLDEN / f"{name}.jsonl"
+    here = machine()
+    path = GOLDEN / f"{name}.{kind(here)}.jsonl"
     got = [numbers(r) for r in rows[:STEPS]]
     assert len(got) == STEPS, f"{len(got)} steps, the golden trajectory has {STEPS}"
     if RECORD:
         GOLDEN.mkdir(exist_ok=True)
-        path.write_text("".join(json.dumps(x) + "\n" for x in [{"machine": machine()}, *got]))
+        path.write_text("".join(json.dumps(x) + "\n" for x in [{"machine": here}, *got]))
         return
+    if not path.exists():
+        kinds = sorted(p.name.split(".")[1] for p in GOLDEN.glob(f"{name}.*.jsonl"))
+        pytest.skip(f"{name} is recorded for {kinds}, not for this machine ({here}): `make golden` records it")
     header, *want = [json.loads(x) for x in path.read_text().splitlines()]
-    if header["machine"] != machine():
-        pytest.skip(f"{path.name} was recorded on {header['machine']}, this machine is {machine()}: "
-                    "`make golden` records it here")
+    assert header["machine"] == here, f"{path} holds another machine's numbers: {header['machine']}"
     for step, (w, g) in enumerate(zip(want, got), start=1):
         bad = {k: (v, g.get(k, "missing")) for k, v in w.items() if not _same(k, v, g.get(k, "missing"), near)}
         assert not bad, (f"{name}: step {step} left the golden trajectory ({path}); "
