@@ -99,6 +99,7 @@ PY019 := $(VENV019)/bin/python
 STAMP019 := $(VENV019)/.installed
 
 install-mcore019: disk-019 $(STAMP019)
+	@$(PY019) -m compileall -q areal_mcore tests >/dev/null  # its Python 3.12's bytecode (see install)
 
 # The editable install of this tree waits for the main venv's (order-only prerequisite):
 # both build into the same source folder (areal_mcore.egg-info).

@@ -1,8 +1,6 @@
 """Exact resume, DP-size change, crash safety and compatibility checks of checkpoints."""
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -244,11 +242,21 @@ def test_a_weights_only_checkpoint_loads_the_weights_and_keeps_the_runs_optimize
     assert loaded == built
 
 
+def _draws():
+    """One draw from each generator a checkpoint restores (python, numpy, torch)."""
+    import random
+
+    import numpy as np
+
+    return random.random(), float(np.random.rand()), torch.rand(1).item()
+
+
 def _corrupt_worker(rank, world, root):
-    actor, ckpt, weights = _actor(cap=16), _checkpointer(root), {}
+    actor, ckpt, weights, draws = _actor(cap=16), _checkpointer(root), {}, {}
     for step in (1, 2, 3):  # keep_last=2 keeps steps 2 and 3
         actor.train_batch(_batch(step - 1, 0, 1), _ppo_loss, 2)
         ckpt.save(actor, step=step, weight_version=step)
+        draws[step] = _draws()  # what the generators give next from the saved state
         weights[step] = {k: v.clone() for k, v in actor.hf_state_dict().items()}
     distcp = sorted((Path(root) / "step_00000003" / "model").glob("*.distcp"))[0]
     data = bytearray(distcp.read_bytes())
@@ -257,18 +265,22 @@ def _corrupt_worker(rank, world, root):
     resumed = _actor(cap=16)
     state = ckpt.load(resumed)
     after = resumed.hf_state_dict()
-    return state.step, all(torch.equal(after[k], weights[2][k]) for k in weights[2]), str(distcp)
+    return (state.step, all(torch.equal(after[k], weights[2][k]) for k in weights[2]), str(distcp),
+            _draws(), draws[2], draws[3])
 
 
-def test_a_flipped_byte_in_a_checkpoint_is_named_and_the_previous_one_is_resumed(tmp_path):
-    step, same, damaged = run_gloo(_corrupt_worker, 1, str(tmp_path))[0]
+def test_a_flipped_byte_in_a_checkpoint_is_named_and_the_previous_one_is_resumed(tmp_path, capsys):
+    import areal_mcore.cli as cli
+
+    step, same, damaged, resumed_draws, step2_draws, step3_draws = run_gloo(_corrupt_worker, 1, str(tmp_path))[0]
     assert step == 2 and same  # not step 3, silently, with damaged weights
-    out = subprocess.run([sys.executable, "-m", "areal_mcore.cli", "verify-checkpoint",
-                          str(tmp_path / "step_00000003"), str(tmp_path / "step_00000002")],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1, out
-    assert f"{damaged}: content differs from the saved SHA-256" in out.stdout, out.stdout
-    assert f"{tmp_path / 'step_00000002'}: OK" in out.stdout, out.stdout
+    # The generators go on from step 2's saved state, not from where the process was.
+    assert resumed_draws == step2_draws != step3_draws
+    capsys.readouterr()
+    assert cli.main(["verify-checkpoint", str(tmp_path / "step_00000003"), str(tmp_path / "step_00000002")]) == 1
+    out = capsys.readouterr().out
+    assert f"{damaged}: content differs from the saved SHA-256" in out, out
+    assert f"{tmp_path / 'step_00000002'}: OK" in out, out
 
 
 # --------------------------------------------------------------------------- no processes

@@ -139,7 +139,14 @@ def test_size_parser():
         parse_size("big")
 
 
-def test_help_explains_both_directions():
-    out = _cli("--help").stdout
+def test_help_explains_both_directions(capsys):
+    import areal_mcore.cli as cli
+
+    def help_of(*args):
+        with pytest.raises(SystemExit) as done:  # argparse prints the help and exits 0
+            cli.main(["convert", *args, "--help"])
+        assert done.value.code == 0
+        return capsys.readouterr().out
+    out = help_of()
     assert "mcore-to-hf" in out and "hf-to-mcore" in out
-    assert "Streams one layer at a time" in _cli("mcore-to-hf", "--help").stdout
+    assert "Streams one layer at a time" in help_of("mcore-to-hf")

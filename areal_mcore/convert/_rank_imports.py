@@ -11,6 +11,7 @@ import warnings
 
 warnings.filterwarnings("ignore", module=r"(.*/)?megatron[./]")
 
+import torch._dynamo  # noqa: E402,F401 - what the optimizer's constructor imports (torch/_compile.py)
+
 import areal_mcore.actor.checkpoint  # noqa: E402,F401
 import areal_mcore.actor.megatron_actor  # noqa: E402,F401
-import torch._dynamo  # noqa: E402,F401 - what the optimizer's constructor imports (torch/_compile.py)
