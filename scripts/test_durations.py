@@ -1,7 +1,7 @@
 """What `make test` cost, test by test, from the JUnit XML files its stages write.
 
     python scripts/test_durations.py build/test-reports/*.xml            # the 25 slowest, seconds per module
-    python scripts/test_durations.py --markdown build/test-reports/*.xml # docs/tests.md's table
+    python scripts/test_durations.py --markdown --fold-below 30 build/test-reports/*.xml  # docs/tests.md's table
 
 Each file is one stage (its name without .xml: main, mcore019). A test's seconds are
 pytest's: setup + call + teardown, so a module-scoped fixture (a server, an SFT warm-up)
@@ -55,10 +55,17 @@ def text_report(rows, top: int) -> str:
     return "\n".join(out)
 
 
-def markdown(rows) -> str:
+def markdown(rows, fold_below: float) -> str:
+    """The per-module table; a stage's modules under ``fold_below`` seconds share one row."""
     out = ["| stage | module | tests | seconds | slowest test (s) |", "|---|---|---:|---:|---:|"]
+    modules = per_module(rows)
     out += [f"| {stage} | `{module}` | {n} | {s:.0f} | {slowest:.0f} |"
-            for stage, module, n, s, slowest in per_module(rows)]
+            for stage, module, n, s, slowest in modules if s >= fold_below]
+    for stage in sorted({r[0] for r in rows}):
+        small = [m for m in modules if m[0] == stage and m[3] < fold_below]
+        if small:
+            out.append(f"| {stage} | {len(small)} modules under {fold_below:.0f} s each | {sum(m[2] for m in small)} "
+                       f"| {sum(m[3] for m in small):.0f} | {max(m[4] for m in small):.0f} |")
     for stage in sorted({r[0] for r in rows}):
         mine = [r for r in rows if r[0] == stage]
         out.append(f"| {stage} | all | {len(mine)} | {sum(r[3] for r in mine):.0f} | |")
@@ -70,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("files", nargs="+", type=Path, help="JUnit XML files, one per stage")
     p.add_argument("--top", type=int, default=25, help="how many of the slowest tests to list")
     p.add_argument("--markdown", action="store_true", help="print the per-module table as Markdown")
+    p.add_argument("--fold-below", type=float, default=0, metavar="S",
+                   help="with --markdown: one row for each stage's modules under S seconds")
     a = p.parse_args(argv)
     missing = [str(f) for f in a.files if not f.is_file()]
     if missing:
@@ -77,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     rows = read(a.files)
-    print(markdown(rows) if a.markdown else text_report(rows, a.top))
+    print(markdown(rows, a.fold_below) if a.markdown else text_report(rows, a.top))
     return 0
 
 
