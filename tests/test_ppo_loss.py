@@ -33,9 +33,11 @@ def test_global_token_count_sets_the_normaliser():
 
 
 def test_asymmetric_clip_uses_eps_clip_high_above_one():
-    loss, stats, _ = _loss([1.25, 0.75], [1.0, -1.0], [1, 1], eps_clip_high=0.28)
-    # t0: 1.25 < 1.28, unclipped -> -1.25; t1: 0.75 < 0.8 -> clipped at 0.8 -> 0.8.
-    assert loss.item() == pytest.approx((-1.25 + 0.8) / 2, abs=1e-6)
+    loss, stats, _ = _loss([1.25, 0.75, 1.22], [1.0, -1.0, 1.0], [1, 1, 1], eps_clip_high=0.28)
+    # t0: 1.25 < 1.28, unclipped -> -1.25; t1: 0.75 < 0.8 -> clipped at 0.8 -> 0.8; t2:
+    # 1.22, unclipped -> -1.22. (With the bounds crossed, [0.72, 1.2], t0 and t2 clip at
+    # 1.2 and t1 does not: without t2 the two losses were equal, -0.225.)
+    assert loss.item() == pytest.approx((-1.25 + 0.8 - 1.22) / 3, abs=1e-6)
     assert stats["clipped_tokens"].item() == 1
 
 
