@@ -1,7 +1,7 @@
 """Mutation testing: does the test suite catch a one-line bug in the code that decides what
 training computes?
 
-    python scripts/mutate.py                    # every mutation (~13 min on 2 busy cores)
+    python scripts/mutate.py                    # every mutation (~5 min on 2 quiet cores)
     python scripts/mutate.py --list             # what each one does, and its tests
     python scripts/mutate.py --only gae         # one area, or one mutation by its id
 
