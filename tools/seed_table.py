@@ -34,8 +34,8 @@ TASKS = {"boba": ("configs/tiny_cpu.yaml", "tiny-cpu"), "tool": ("configs/tiny_t
 CONFIG, EXPERIMENT = TASKS["boba"]
 
 
-def _cli(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "areal_mcore.cli", *args], cwd=ROOT, check=True)
+def _cli(*args: str, env: dict | None = None) -> None:
+    subprocess.run([sys.executable, "-m", "areal_mcore.cli", *args], cwd=ROOT, check=True, env=env)
 
 
 def warm_up() -> None:
@@ -56,7 +56,8 @@ def run(out: str, backend: str, seed: int, overrides: list[str]) -> None:
     # the evals', rollout.seed + 1); server.seed: the servers' own generators
     seeds = [f"seed={seed}", f"rollout.seed={seed}", f"server.seed={seed}"]
     _cli("train", "--overwrite", "--config", CONFIG, *seeds, f"trainer.log_dir={log_dir}",
-         "trainer.progress=false", *server, *overrides)
+         "trainer.progress=false", *server, *overrides,
+         env={"OMP_NUM_THREADS": "1", **os.environ})  # as make run's PPO (scripts/quickstart.sh says why)
     with open(log_dir / "ppo_time.json", "w") as f:
         json.dump({"ppo_s": time.monotonic() - start, "overrides": overrides}, f)
 
