@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -310,6 +311,14 @@ def run_train(a) -> int:
         from areal_mcore.rollout.servers import check_ports_free
 
         check_ports_free(cfg.server)  # and a taken server.base_port
+        from areal_mcore.run_dir import RunDir
+
+        # ... and a run directory in use or holding a run this one would redo or set aside
+        # (rank 0's to check: the others would see its lock between its check and its start).
+        why = os.environ.get("RANK", "0") == "0" and RunDir.of(cfg.trainer.log_dir, cfg.experiment_name).start_refusal(
+            cfg.trainer.total_steps, cfg.trainer.existing_run)
+        if why:
+            raise ValueError(why)
     if a.command == "sft":
         from areal_mcore.trainer.sft import sft_is_current
 

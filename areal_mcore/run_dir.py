@@ -276,6 +276,18 @@ class RunDir:
                     f"--resume (trainer.existing_run=resume) starts afresh, its stats set aside; {fix}")
         return None
 
+    def start_refusal(self, total_steps: int, mode: str) -> str | None:
+        """Why a trainer must not start here now (``lock``'s holder, ``earlier_run_refusal``),
+        or None: what ``areal-mcore train`` checks before it starts anything. The lock is let
+        go again; the trainer takes it, and checks again, when it starts."""
+        if not self.path.is_dir():
+            return None
+        try:
+            self.lock().close()
+        except ValueError as e:
+            return str(e)
+        return self.earlier_run_refusal(total_steps, mode)
+
     def set_aside(self) -> Path | None:
         """Moves the earlier run's files (``RUN_OUTPUTS``) into ``<run>/before-<time>/``;
         returns that folder, or None when there was nothing to move."""
