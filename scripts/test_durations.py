@@ -2,6 +2,7 @@
 
     python scripts/test_durations.py build/test-reports/*.xml            # the 25 slowest, seconds per module
     python scripts/test_durations.py --markdown --fold-below 30 build/test-reports/*.xml  # docs/tests.md's table
+    python scripts/test_durations.py --order tests/module_seconds.json build/test-reports/*.xml  # the suite's order
 
 Each file is one stage (its name without .xml: main, mcore019). A test's seconds are
 pytest's: setup + call + teardown, so a module-scoped fixture (a server, an SFT warm-up)
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -72,6 +74,14 @@ def markdown(rows, fold_below: float) -> str:
     return "\n".join(out)
 
 
+def module_seconds(rows) -> dict[str, dict[str, int]]:
+    """{stage: {module: seconds}}: what tests/conftest.py orders the modules by."""
+    out: dict[str, dict[str, int]] = {}
+    for stage, module, _, s, _ in per_module(rows):
+        out.setdefault(stage, {})[module] = round(s)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path, help="JUnit XML files, one per stage")
@@ -79,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true", help="print the per-module table as Markdown")
     p.add_argument("--fold-below", type=float, default=0, metavar="S",
                    help="with --markdown: one row for each stage's modules under S seconds")
+    p.add_argument("--order", type=Path, metavar="JSON",
+                   help="write each stage's seconds per module to JSON (tests/module_seconds.json)")
     a = p.parse_args(argv)
     missing = [str(f) for f in a.files if not f.is_file()]
     if missing:
@@ -86,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     rows = read(a.files)
+    if a.order:
+        a.order.write_text(json.dumps(module_seconds(rows), indent=1, sort_keys=True) + "\n")
+        return 0
     print(markdown(rows, a.fold_below) if a.markdown else text_report(rows, a.top))
     return 0
 

@@ -38,13 +38,26 @@ def pytest_runtest_setup(item):
 def pytest_collection_modifyitems(config, items):
     """Under xdist (`make test`: `--dist loadscope`) a module runs on one worker, so its
     module-scoped servers start once (and the Slurm jobs, all in one module, one at a time
-    on the cluster's two nodes). The heaviest modules go first (`--no-loadscope-reorder`
-    keeps this order), so none starts last and runs alone."""
-    weight = {"slurm": 0, "server": 1, "slow": 2, "multirank": 3}
+    on the cluster's two nodes). The longest modules go first (`--no-loadscope-reorder`
+    keeps this order), so none starts last and runs alone: longest by the last recorded
+    `make test` (module_seconds.json, from scripts/test_durations.py --order), a module
+    not in it by its heaviest marker."""
+    stage = "mcore019" if os.environ.get("AREAL_MCORE_OTHER_PY") else "main"  # make test-mcore019 sets it
+    recorded = _module_seconds().get(stage, {})
+    guess = {"slurm": 600, "server": 60, "slow": 30, "multirank": 20}  # seconds, for a module not recorded
 
-    def rank(item):
-        return min((weight[m.name] for m in item.iter_markers() if m.name in weight), default=len(weight))
-    first: dict[str, int] = {}
-    for item in items:  # a module's rank is its heaviest test's; order within it is kept
-        first[item.module.__name__] = min(first.get(item.module.__name__, len(weight)), rank(item))
-    items.sort(key=lambda item: first[item.module.__name__])
+    def seconds(item):
+        return max((guess[m.name] for m in item.iter_markers() if m.name in guess), default=1)
+    cost: dict[str, float] = {}
+    for item in items:  # order within a module is kept
+        name = item.module.__name__
+        cost[name] = recorded.get(name, max(cost.get(name, 0), seconds(item)))
+    items.sort(key=lambda item: -cost[item.module.__name__])
+
+
+def _module_seconds() -> dict:
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).with_name("module_seconds.json")
+    return json.loads(path.read_text()) if path.is_file() else {}
