@@ -172,7 +172,7 @@ slurm-down:
 
 # The suite's tiers are pytest markers (tests/_tiers.py says what each one needs).
 # test-fast: no server, Slurm, second venv, multi-rank launch or minutes-long test; for
-# day-to-day work (~3 min on 2 cores after install; meant to take 2).
+# day-to-day work (2m24s on 2 cores after install; meant to take 2).
 FAST_TIER := not (slow or slurm or server or multirank or venv)
 # Much of the suite waits (server starts, Slurm, sockets), so it runs in xdist workers, a
 # test module per worker at a time (its module-scoped servers start once; the Slurm tests
