@@ -276,17 +276,30 @@ class RunDir:
                     f"--resume (trainer.existing_run=resume) starts afresh, its stats set aside; {fix}")
         return None
 
+    def claim(self, total_steps: int, mode: str):
+        """Takes the run directory for a trainer of ``total_steps`` with
+        ``trainer.existing_run=mode``: (its ``lock``, None), or (None, why not): another trainer
+        holds it, or an earlier run is here that this one would silently redo or set aside
+        (``earlier_run_refusal``)."""
+        try:
+            lock = self.lock()
+        except ValueError as e:
+            return None, str(e)
+        why = self.earlier_run_refusal(total_steps, mode)
+        if why:
+            lock.close()
+            return None, why
+        return lock, None
+
     def start_refusal(self, total_steps: int, mode: str) -> str | None:
-        """Why a trainer must not start here now (``lock``'s holder, ``earlier_run_refusal``),
-        or None: what ``areal-mcore train`` checks before it starts anything. The lock is let
-        go again; the trainer takes it, and checks again, when it starts."""
+        """``claim``'s refusal, or None, with the lock let go again: what ``areal-mcore train``
+        checks before it starts anything (the trainer claims the directory when it starts)."""
         if not self.path.is_dir():
             return None
-        try:
-            self.lock().close()
-        except ValueError as e:
-            return str(e)
-        return self.earlier_run_refusal(total_steps, mode)
+        lock, why = self.claim(total_steps, mode)
+        if lock is not None:
+            lock.close()
+        return why
 
     def set_aside(self) -> Path | None:
         """Moves the earlier run's files (``RUN_OUTPUTS``) into ``<run>/before-<time>/``;

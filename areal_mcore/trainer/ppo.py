@@ -212,15 +212,11 @@ class PPORun:
         # One trainer per run directory, checked before anything is started or written.
         refusal, t = None, cfg.trainer
         if self.rank == 0:
-            try:
-                self._lock = self.files.lock()
-                # ... and an earlier run here that this one would silently redo or set aside.
-                refusal = self.files.earlier_run_refusal(t.total_steps, t.existing_run)
-                if t.existing_run == "overwrite" and (aside := self.files.set_aside()):
-                    print(f"[ppo] trainer.existing_run=overwrite: the earlier run's files are now in {aside}",
-                          flush=True)
-            except ValueError as e:
-                refusal = str(e)
+            # ... and no earlier run here that this one would silently redo or set aside.
+            self._lock, refusal = self.files.claim(t.total_steps, t.existing_run)
+            if refusal is None and t.existing_run == "overwrite" and (aside := self.files.set_aside()):
+                print(f"[ppo] trainer.existing_run=overwrite: the earlier run's files are now in {aside}",
+                      flush=True)
         refusal = collectives.broadcast_object(refusal, 0, dist.group.WORLD)
         if refusal:
             raise ValueError(refusal)
